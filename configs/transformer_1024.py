@@ -1,0 +1,116 @@
+"""Transformer (big) on WMT14 en-de: the 2048-core row of Xu et al. 2020, Table 1.
+
+MLPerf v0.7 setup: encoder-decoder, 6+6 layers, d_model 1024, MLP 4096, 16 heads,
+shared embeddings, global batch 2048 on 1024 TPU-v3 chips (2048 cores), Adam with
+a linear warm-up then inverse-square-root decay, label smoothing 0.1, f32
+parameters with bf16 compute, weight-update sharding over the data axis.
+
+Run (needs the prepared dataset, see trainer/data/translation.py):
+
+  python -m trainer --config configs/transformer_1024.py --workdir /tmp/wmt
+
+A laptop-sized variant on the embedded synthetic translation task:
+
+  python -m trainer --config configs/transformer_1024.py:tiny --workdir /tmp/demo \\
+      --cpu_devices 8
+
+Variants: ``tiny`` (embedded data, ~2 minutes on 2 CPU cores), ``base``
+(Transformer-base sizes, for MFU measurements), ``synthetic`` (random tokens, for
+throughput benchmarks, no dataset needed).
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
+    config = common.base_config()
+    config.seed = 0
+    config.global_batch_size = 2048
+    config.num_train_steps = 20_000
+    config.steps_per_loop = 100
+    config.log_every_steps = 100
+    config.eval_every_steps = 2_000
+    config.checkpoint_every_steps = 2_000
+    config.label_smoothing = 0.1
+    config.max_decode_length = 256
+
+    config.model = ml_collections.ConfigDict(
+        dict(
+            name="transformer",
+            vocab_size=32_000,
+            share_embeddings=True,
+            emb_dim=1024,
+            num_heads=16,
+            num_encoder_layers=6,
+            num_decoder_layers=6,
+            qkv_dim=1024,
+            mlp_dim=4096,
+            max_len=256,
+            dropout_rate=0.1,
+            attention_dropout_rate=0.1,
+            dtype="bfloat16",
+        )
+    )
+    config.data = ml_collections.ConfigDict(
+        dict(
+            name="wmt14_translate/de-en",
+            data_dir=ml_collections.FieldReference(None, field_type=str),
+            source_lang="en",
+            target_lang="de",
+            vocab_path=ml_collections.FieldReference(None, field_type=str),
+            vocab_size=32_000,
+            max_length=256,
+            pack=True,
+            eval_split="test",
+            num_eval_examples=-1,
+        )
+    )
+    # Peak ~ 2 * d_model^-0.5 * warmup^-0.5 of the usual "noam" rule.
+    config.optimizer.name = "adam"
+    config.optimizer.learning_rate = 0.002
+    config.optimizer.schedule = "rsqrt"
+    config.optimizer.warmup_steps = 1000
+    config.optimizer.b1 = 0.9
+    config.optimizer.b2 = 0.98
+    config.optimizer.eps = 1e-9
+
+    config.mesh.rules = (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("embed", None),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("length", None),
+    )
+
+    if variant == "tiny":
+        config.global_batch_size = 64
+        config.num_train_steps = 600
+        config.steps_per_loop = 20
+        config.log_every_steps = 100
+        config.eval_every_steps = 300
+        config.checkpoint_every_steps = 300
+        config.max_decode_length = 48
+        config.model.update(
+            vocab_size=384, emb_dim=64, num_heads=4, num_encoder_layers=2,
+            num_decoder_layers=2, qkv_dim=64, mlp_dim=256, max_len=64,
+            dropout_rate=0.0, attention_dropout_rate=0.0,
+        )  # fmt: skip
+        config.data.update(
+            name="tiny_translation", vocab_size=384, max_length=48, eval_split="validation",
+            num_eval_examples=256,
+        )  # fmt: skip
+        config.optimizer.learning_rate = 0.003
+        config.optimizer.warmup_steps = 100
+        config.optimizer.min_shard_bytes = 4096
+    elif variant == "base":
+        config.model.update(emb_dim=512, num_heads=8, qkv_dim=512, mlp_dim=2048)
+    elif variant == "synthetic":
+        config.data.name = "synthetic"
+    elif variant:
+        raise ValueError(f"unknown variant '{variant}' (expected tiny, base or synthetic)")
+    return config

@@ -1,0 +1,369 @@
+"""Tests of the translation input pipeline (tiny_translation, mocked WMT, synthetic)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import grain
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+# Registers the WMT builder class, which `tfds.testing.mock_data` needs to fake
+# the dataset from code (real runs read prepared files without it).
+from tensorflow_datasets.translate import wmt14  # noqa: F401
+
+from trainer.data import tiny_translation
+from trainer.data.tokenizer import EOS_ID, SyntheticVocab, load_or_train_sentencepiece
+from trainer.data.translation import (
+    FEATURE_KEYS,
+    DatasetNotPreparedError,
+    make_translation_data,
+)
+
+WMT = "wmt14_translate/de-en"
+
+
+def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
+    config = {
+        "name": "tiny_translation",
+        "data_dir": str(data_dir),
+        "source_lang": "en",
+        "target_lang": "de",
+        "vocab_path": None,
+        "vocab_size": 384,
+        "max_length": 64,
+        "pack": False,
+        "eval_split": "validation",
+        "num_eval_examples": -1,
+    }
+    config.update(overrides)
+    return ml_collections.ConfigDict(config)
+
+
+def _make(config, global_batch_size=8, seed=0, process_index=0, process_count=1):
+    return make_translation_data(
+        config,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A TFDS data_dir with tiny_translation prepared and its vocabulary trained."""
+    data_dir = tmp_path_factory.mktemp("tfds")
+    tiny_translation.prepare_tiny_translation(str(data_dir))
+    _make(_config(data_dir))  # Trains and saves the SentencePiece model.
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def pairs():
+    """English -> toy-German for every tiny_translation example."""
+    num = tiny_translation.NUM_TRAIN + tiny_translation.NUM_VALIDATION
+    return dict(tiny_translation.generate_pairs(num))
+
+
+def _segments(tokens, segmentation, position):
+    """Checks one packed/padded row and returns the token arrays of its examples."""
+    used = int((segmentation > 0).sum())
+    # Real tokens form a prefix; everything after it is zero.
+    assert (segmentation[:used] > 0).all()
+    for array in (tokens, segmentation, position):
+        assert not array[used:].any()
+    segments = []
+    for segment_id in range(1, int(segmentation.max()) + 1):
+        (index,) = np.nonzero(segmentation == segment_id)
+        assert index.size > 0 and (np.diff(index) == 1).all(), "segment ids not contiguous"
+        np.testing.assert_array_equal(position[index], np.arange(index.size))
+        segment = tokens[index]
+        assert segment[-1] == EOS_ID and (segment[:-1] != EOS_ID).all() and segment.all()
+        segments.append(segment)
+    return segments
+
+
+def test_tiny_dataset_is_prepared_without_tensorflow(tiny_dir):
+    assert importlib.util.find_spec("tensorflow") is None
+    assert "tensorflow" not in sys.modules
+    for split, size in [("train", 20_000), ("validation", 500)]:
+        source = tfds.data_source("tiny_translation", split=split, data_dir=str(tiny_dir))
+        assert len(source) == size
+    version_dir = tiny_dir / "tiny_translation" / "1.0.0"
+    assert len(list(version_dir.glob("tiny_translation-train.array_record-*"))) == 1
+    info_mtime = (version_dir / "dataset_info.json").stat().st_mtime_ns
+    tiny_translation.prepare_tiny_translation(str(tiny_dir))  # Idempotent: a no-op.
+    assert (version_dir / "dataset_info.json").stat().st_mtime_ns == info_mtime
+    assert not [p for p in os.listdir(tiny_dir) if p.startswith(".tiny_translation-")]
+
+
+def test_tiny_corpus_is_deterministic_and_a_reordered_translation(tiny_dir):
+    generate = tiny_translation.generate_pairs
+    assert generate(20, seed=7) == generate(20, seed=7) != generate(20, seed=8)
+    lexicon = tiny_translation.lexicon()
+    assert len(lexicon) > 190 and len(set(lexicon.values())) == len(lexicon)
+    assert not set(lexicon.values()) & set(lexicon)
+    verbs = {lexicon[verb] for verb in tiny_translation.verbs()}
+
+    source = tfds.data_source("tiny_translation", split="validation", data_dir=str(tiny_dir))
+    stored = {(ex["en"].decode(), ex["de"].decode()) for ex in source}
+    generated = tiny_translation.generate_pairs(20_500)
+    assert stored == set(generated[20_000:])  # Same seed -> same examples.
+    reordered = 0
+    for en, de in stored:
+        en_words, de_words = en.split(), de.split()
+        assert 3 <= len(en_words) <= 12
+        assert sorted(de_words) == sorted(lexicon[w] for w in en_words)
+        assert de_words[-1] in verbs  # The verb moved to the end.
+        reordered += de_words != [lexicon[w] for w in en_words]
+    assert reordered > 0.8 * len(stored)  # Word-by-word is not enough.
+
+
+def test_unpacked_train_batches_decode_to_the_pairs(tiny_dir, pairs):
+    data = _make(_config(tiny_dir, pack=False))
+    for batch in _take(data.train, 3):
+        assert set(batch) == set(FEATURE_KEYS)
+        for value in batch.values():
+            assert value.shape == (8, 64) and value.dtype == np.int32
+        for row in range(8):
+            for key in ("inputs", "targets"):
+                tokens = batch[key][row]
+                np.testing.assert_array_equal(batch[f"{key}_segmentation"][row], tokens != 0)
+                segments = _segments(
+                    tokens, batch[f"{key}_segmentation"][row], batch[f"{key}_position"][row]
+                )
+                assert len(segments) == 1
+            en = data.vocab.decode(batch["inputs"][row])
+            assert pairs[en] == data.vocab.decode(batch["targets"][row])
+
+
+def test_packed_train_batches_hold_whole_examples(tiny_dir, pairs):
+    data = _make(_config(tiny_dir, pack=True))
+    examples_per_row = []
+    for batch in _take(data.train, 3):
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            k: ((8, 64), np.int32) for k in FEATURE_KEYS
+        }
+        for row in range(8):
+            inputs = _segments(
+                batch["inputs"][row],
+                batch["inputs_segmentation"][row],
+                batch["inputs_position"][row],
+            )
+            targets = _segments(
+                batch["targets"][row],
+                batch["targets_segmentation"][row],
+                batch["targets_position"][row],
+            )
+            assert len(inputs) == len(targets)
+            examples_per_row.append(len(inputs))
+            # Each segment pair is one complete example: it decodes to a pair.
+            for source, target in zip(inputs, targets, strict=True):
+                assert pairs[data.vocab.decode(source)] == data.vocab.decode(target)
+    assert max(examples_per_row) >= 2 and np.mean(examples_per_row) > 1.5
+
+
+def test_processes_split_each_epoch_without_overlap(tiny_dir):
+    # 960 pairs, 32 rows per global batch: one epoch is 30 steps for any process count.
+    config = _config(tiny_dir, train_split="train[:960]", pack=False)
+
+    def rows(data, steps):
+        return [row.tobytes() for b in _take(data.train, steps) for row in b["inputs"]]
+
+    single = _make(config, global_batch_size=32)
+    epoch1, epoch2 = rows(single, 30), rows(single, 30)
+    assert len(set(epoch1)) == 960 and set(epoch2) == set(epoch1)
+    assert epoch2 != epoch1  # Reshuffled every epoch.
+    shares = [
+        set(rows(_make(config, global_batch_size=32, process_index=i, process_count=2), 30))
+        for i in range(2)
+    ]
+    assert len(shares[0]) == len(shares[1]) == 480
+    assert not shares[0] & shares[1]
+    assert shares[0] | shares[1] == set(epoch1)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_train_iterator_resumes_from_saved_state(tiny_dir, pack):
+    config = _config(tiny_dir, pack=pack)
+    data = _make(config, seed=3)
+    assert isinstance(data.train, grain.DatasetIterator)
+    _take(data.train, 3)
+    state = data.train.get_state()
+    json.dumps(state)  # Checkpointable as JSON.
+    expected = _take(data.train, 2)
+    restored = _make(config, seed=3).train
+    restored.set_state(state)
+    for want, got in zip(expected, _take(restored, 2), strict=True):
+        for key in FEATURE_KEYS:
+            np.testing.assert_array_equal(want[key], got[key])
+
+
+def test_eval_batches_are_padded_equally_and_match_references(tiny_dir):
+    config = _config(tiny_dir, num_eval_examples=33)
+    source = tfds.data_source("tiny_translation", split="validation", data_dir=str(tiny_dir))
+    all_sources = []
+    for index in range(2):
+        data = _make(config, global_batch_size=16, process_index=index, process_count=2)
+        batches = list(data.eval_batches())
+        sources, targets = data.eval_references()
+        # 17 + 16 examples: process 1 needs only 2 batches but must run 3 like process 0.
+        assert len(batches) == 3
+        assert len(sources) == len(targets) == (17 if index == 0 else 16)
+        rows = {k: np.concatenate([b[k] for b in batches]) for k in FEATURE_KEYS}
+        assert rows["inputs"].shape == (24, 64)
+        for key in FEATURE_KEYS:
+            assert not rows[key][len(sources) :].any()  # Padding rows are all zero.
+        for row, (src, tgt) in enumerate(zip(sources, targets, strict=True)):
+            assert data.vocab.decode(rows["inputs"][row]) == src
+            assert data.vocab.decode(rows["targets"][row]) == tgt
+            np.testing.assert_array_equal(rows["inputs_segmentation"][row], rows["inputs"][row] > 0)
+        again = list(data.eval_batches())  # A fresh iterable each call.
+        np.testing.assert_array_equal(again[0]["targets"], batches[0]["targets"])
+        all_sources.append(sources)
+    # Process i owns validation examples i, i+2, ...
+    assert all_sources[0] == [source[i]["en"].decode() for i in range(0, 33, 2)]
+    assert all_sources[1] == [source[i]["en"].decode() for i in range(1, 33, 2)]
+
+
+def test_eval_truncates_long_examples_and_keeps_eos(tiny_dir):
+    data = _make(_config(tiny_dir, max_length=10, num_eval_examples=40), global_batch_size=40)
+    (batch,) = list(data.eval_batches())
+    truncated = 0
+    for key, texts in zip(("inputs", "targets"), data.eval_references(), strict=True):
+        for row, text in enumerate(texts):
+            (segment,) = _segments(
+                batch[key][row], batch[f"{key}_segmentation"][row], batch[f"{key}_position"][row]
+            )
+            full = data.vocab.encode(text)
+            truncated += len(full) > 10
+            np.testing.assert_array_equal(segment, full if len(full) <= 10 else full[:9] + [EOS_ID])
+    assert truncated > 0
+
+
+def test_wmt_pipeline_on_mock_data(tmp_path):
+    config = _config(tmp_path, name=WMT, vocab_size=64, max_length=32, pack=True, eval_split="test")
+    with tfds.testing.mock_data(num_examples=200, policy=tfds.testing.MockPolicy.USE_CODE):
+        data = _make(config, global_batch_size=8, process_index=1, process_count=2)
+        batches = _take(data.train, 3)
+    assert (tmp_path / "wmt14_translate_de-en_spm_64.model").exists()
+    assert data.vocab.vocab_size == 64
+    examples_per_row = []
+    for batch in batches:
+        assert {k: v.shape for k, v in batch.items()} == {k: (4, 32) for k in FEATURE_KEYS}
+        for row in range(4):
+            inputs = _segments(
+                batch["inputs"][row],
+                batch["inputs_segmentation"][row],
+                batch["inputs_position"][row],
+            )
+            examples_per_row.append(len(inputs))
+    assert max(examples_per_row) >= 2
+    sources, targets = data.eval_references()
+    assert len(sources) == len(targets) == 100
+    first = next(iter(data.eval_batches()))
+    # SentencePiece normalises runs of spaces in the random mock text.
+    assert data.vocab.decode(first["targets"][0]) == " ".join(targets[0].split())
+
+
+# The made-up name has no builder code, like WMT in a run that reads prepared files.
+@pytest.mark.parametrize("name", [WMT, "made_up_translate/de-en"])
+def test_missing_tfds_dataset_raises_a_clear_error(tmp_path, name):
+    with pytest.raises(DatasetNotPreparedError) as error:
+        _make(_config(tmp_path, name=name, vocab_size=32000, eval_split="test"))
+    message = str(error.value)
+    assert isinstance(error.value, RuntimeError) and "\n" not in message
+    assert f"'{name}'" in message
+    assert f"tfds build {name} --file_format=array_record --data_dir={tmp_path}" in message
+
+
+def test_unprepared_tiny_dataset_without_prepare_raises(tmp_path):
+    with pytest.raises(DatasetNotPreparedError, match="tiny_translation.*prepare"):
+        _make(_config(tmp_path, prepare=False))
+
+
+def test_synthetic_data_is_deterministic_and_sharded():
+    config = ml_collections.ConfigDict(
+        {"name": "synthetic", "vocab_size": 100, "max_length": 16, "pack": True,
+         "num_eval_examples": 12}
+    )  # fmt: skip
+    data = _make(config, seed=5)
+    first, second = _take(data.train, 2)
+    assert {k: (v.shape, v.dtype) for k, v in first.items()} == {
+        k: ((8, 16), np.int32) for k in FEATURE_KEYS
+    }
+    assert ((first["inputs"][:, :-1] >= 3) & (first["inputs"][:, :-1] < 100)).all()
+    assert (first["targets"][:, -1] == EOS_ID).all() and (first["inputs_segmentation"] == 1).all()
+    np.testing.assert_array_equal(first["targets_position"], np.tile(np.arange(16), (8, 1)))
+    again = _make(config, seed=5).train
+    np.testing.assert_array_equal(next(again)["inputs"], first["inputs"])
+    assert not np.array_equal(next(_make(config, seed=6).train)["inputs"], first["inputs"])
+    for index in range(2):
+        shard = next(_make(config, seed=5, process_index=index, process_count=2).train)
+        np.testing.assert_array_equal(shard["inputs"], first["inputs"][index::2])
+    state = data.train.get_state()
+    expected = next(data.train)
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again)["targets"], expected["targets"])
+    assert not np.array_equal(expected["targets"], second["targets"])
+    batches = list(data.eval_batches())
+    sources, _ = data.eval_references()
+    assert len(batches) == 2 and len(sources) == 12 and not batches[1]["inputs"][4:].any()
+    assert sources[0] == " ".join(str(i) for i in batches[0]["inputs"][0][:-1])
+
+
+def test_vocab_encode_decode(tiny_dir):
+    vocab = _make(_config(tiny_dir)).vocab
+    assert (vocab.pad_id, vocab.eos_id, vocab.vocab_size) == (0, 1, 384)
+    text = "the big dog sees a cat"
+    ids = vocab.encode(text)
+    assert ids[-1] == EOS_ID and EOS_ID not in ids[:-1] and 0 not in ids
+    assert vocab.decode(ids + [0, 0]) == text
+    assert vocab.decode([ids[0], 0] + ids[1:]) == text  # PAD is skipped.
+    assert vocab.decode(ids[:2] + [EOS_ID] + ids[2:]) == vocab.decode(ids[:2])
+    synthetic = SyntheticVocab(10)
+    assert synthetic.encode("4 5 12") == [4, 5, 2, EOS_ID]
+    assert synthetic.decode([4, 5, 0, 1, 7]) == "4 5"
+
+
+def test_vocab_file_is_first_writer_wins(tmp_path):
+    texts = [f"sentence number {i} with words like alpha beta gamma delta" for i in range(300)]
+    path = str(tmp_path / "vocab.model")
+
+    def texts_while_another_process_publishes():
+        # Simulates a concurrent process that publishes its model while this
+        # one is still training: this process must then load that model.
+        load_or_train_sentencepiece(path, 40, lambda: texts, description="other")
+        return texts
+
+    vocab = load_or_train_sentencepiece(
+        path, 50, texts_while_another_process_publishes, description="test"
+    )
+    assert vocab.vocab_size == 40
+    assert os.listdir(tmp_path) == ["vocab.model"]  # No temp files left.
+
+    def must_not_train():
+        raise AssertionError("the existing vocabulary should be loaded")
+
+    assert load_or_train_sentencepiece(path, 50, must_not_train, description="x").vocab_size == 40
+    with pytest.raises(ValueError, match="vocab_size=30"):
+        load_or_train_sentencepiece(path, 30, must_not_train, description="x")
+
+
+def test_bad_configs_fail_early(tiny_dir):
+    with pytest.raises(ValueError, match="divide"):
+        _make(_config(tiny_dir), global_batch_size=9, process_count=2)
+    config = _config(tiny_dir)
+    del config["max_length"]
+    with pytest.raises(ValueError, match="max_length"):
+        _make(config)
+    with pytest.raises(ValueError, match="source_lang"):
+        _make(_config(tiny_dir, source_lang="fr"))

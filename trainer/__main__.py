@@ -1,0 +1,36 @@
+"""``python -m trainer --config configs/<name>.py[:variant] --workdir DIR``.
+
+Parses flags, sets up the JAX runtime and hands over to :func:`trainer.train.train`.
+Mistakes in the input end in one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from trainer import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 0, "Expose this many CPU devices (CPU-only hosts; for trying sharding)."
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
+    from trainer import train  # noqa: PLC0415  (after the runtime is configured)
+
+    with cli.clear_errors():
+        train.train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)
+    sys.exit(0)

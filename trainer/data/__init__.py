@@ -1,0 +1,1 @@
+"""Input pipelines: TFDS datasets read through `tfds.data_source` + grain, without TensorFlow."""

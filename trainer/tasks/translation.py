@@ -1,0 +1,125 @@
+"""Translation with the encoder-decoder Transformer: loss, token accuracy, BLEU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import sacrebleu
+from jax.experimental import multihost_utils
+
+from models import decode as decode_lib
+from models import transformer
+from trainer.data import translation as data_lib
+from trainer.tasks import Task
+
+_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig))
+
+
+def model_config(config: ml_collections.ConfigDict) -> transformer.TransformerConfig:
+    """The model's own dataclass from ``config.model`` (``name`` dropped)."""
+    fields = {k: v for k, v in config.model.items() if k != "name"}
+    unknown = sorted(set(fields) - set(_MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"config.model has keys the Transformer does not take: {unknown}")
+    fields["dtype"] = jnp.dtype(fields.get("dtype", "bfloat16"))
+    return transformer.TransformerConfig(**fields)
+
+
+def _bleu_stats(hypotheses: list[str], references: list[str]) -> np.ndarray:
+    """Sufficient statistics of corpus BLEU, which add up across processes."""
+    score = sacrebleu.BLEU().corpus_score(hypotheses, [references])
+    return np.array([*score.counts, *score.totals, score.sys_len, score.ref_len], np.float64)
+
+
+def _bleu(stats: np.ndarray) -> float:
+    counts, totals = stats[:4].astype(int).tolist(), stats[4:8].astype(int).tolist()
+    sys_len, ref_len = int(stats[8]), int(stats[9])
+    return sacrebleu.BLEU.compute_bleu(counts, totals, sys_len, ref_len).score
+
+
+def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
+    """The translation task of ``config`` for this process."""
+    data = data_lib.make_translation_data(
+        config.data,
+        global_batch_size=config.global_batch_size,
+        seed=config.seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    cfg = model_config(config)
+    if data.vocab.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"the data's vocabulary has {data.vocab.vocab_size} ids but model.vocab_size="
+            f"{cfg.vocab_size}"
+        )
+    model = transformer.Transformer(cfg)
+    length = config.data.max_length
+    label_smoothing = config.label_smoothing
+    init_batch = {key: np.ones((1, length), np.int32) for key in data_lib.FEATURE_KEYS}
+
+    def init_fn(rng, batch):
+        return model.init(
+            {"params": rng},
+            batch["inputs"],
+            batch["targets"],
+            inputs_positions=batch["inputs_position"],
+            targets_positions=batch["targets_position"],
+            inputs_segmentation=batch["inputs_segmentation"],
+            targets_segmentation=batch["targets_segmentation"],
+        )
+
+    def loss_fn(variables, batch, rng, train):
+        logits = model.apply(
+            variables,
+            batch["inputs"],
+            batch["targets"],
+            inputs_positions=batch["inputs_position"],
+            targets_positions=batch["targets_position"],
+            inputs_segmentation=batch["inputs_segmentation"],
+            targets_segmentation=batch["targets_segmentation"],
+            train=train,
+            rngs={"dropout": rng} if train else {},
+        )
+        weights = (batch["targets"] > 0).astype(jnp.float32)
+        loss, sums = transformer.loss_and_metrics(logits, batch["targets"], weights, label_smoothing)
+        return loss, (sums, {})
+
+    def weight_fn(batch):
+        return jnp.sum(batch["targets"] > 0).astype(jnp.float32)
+
+    @functools.cache
+    def decoder():
+        return jax.jit(
+            lambda params, inputs: decode_lib.greedy_decode(
+                model, params, inputs, max_decode_len=config.max_decode_length, eos_id=1
+            )
+        )
+
+    def bleu(variables, to_global, to_local) -> dict[str, float]:
+        hypotheses = []
+        for batch in data.eval_batches():
+            tokens = decoder()(variables["params"], to_global(batch)["inputs"])
+            hypotheses += [data.vocab.decode(row) for row in np.asarray(to_local(tokens))]
+        _, references = data.eval_references()
+        stats = _bleu_stats(hypotheses[: len(references)], references)
+        # BLEU is not an average of per-process scores; its n-gram counts are sums.
+        stats = np.asarray(multihost_utils.process_allgather(stats)).reshape(-1, stats.size)
+        return {"bleu": _bleu(stats.sum(0))}
+
+    return Task(
+        model=model,
+        init_batch=init_batch,
+        train_data=data.train,
+        eval_batches=data.eval_batches,
+        loss_fn=loss_fn,
+        weight_fn=weight_fn,
+        init_fn=init_fn,
+        evaluate_extra=bleu,
+        flops_per_example=transformer.train_flops_per_example(cfg, length, length),
+        counts_tokens=True,
+    )
