@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from trainer import cli
@@ -24,6 +24,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    # Library INFO lines (TFDS, Orbax) would drown the progress lines.
+    logging.set_verbosity(logging.WARNING)
     cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
     from trainer import train  # noqa: PLC0415  (after the runtime is configured)
 

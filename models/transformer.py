@@ -1,0 +1,461 @@
+"""Encoder-decoder Transformer for WMT translation (Vaswani et al. 2017), pre-LayerNorm.
+
+The model knows nothing of meshes: every parameter carries logical axis names from
+{"vocab", "embed", "mlp", "heads", "kv"} and key activations carry logical constraints from
+{"batch", "length", "embed", "mlp", "heads", "kv", "vocab"}; the trainer maps them to mesh
+axes. Token id 0 is padding and doubles as the decoder's BOS token. The key/value cache and
+greedy decoding live in `models/decode.py`; `greedy_decode` is re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.decode import greedy_decode, update_kv_cache  # noqa: F401  (re-export)
+
+Array = jax.Array
+_EMBED_ACT = ("batch", "length", "embed")
+_HEADS_ACT = ("batch", "length", "heads", "kv")
+
+# The two standard sizes; use as TransformerConfig(vocab_size=V, **SIZES["big"]).
+SIZES: dict[str, dict[str, int]] = {
+    "base": dict(emb_dim=512, num_heads=8, qkv_dim=512, mlp_dim=2048),
+    "big": dict(emb_dim=1024, num_heads=16, qkv_dim=1024, mlp_dim=4096),
+}
+for _size in SIZES.values():
+    _size.update(num_encoder_layers=6, num_decoder_layers=6)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters of the Transformer (defaults: "big").
+
+    Position embeddings are computed from positions on the fly, so `max_len` only bounds
+    the sequence lengths `__call__` accepts.
+    """
+
+    vocab_size: int
+    share_embeddings: bool = True
+    emb_dim: int = 1024
+    num_heads: int = 16
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    qkv_dim: int = 1024
+    mlp_dim: int = 4096
+    max_len: int = 256
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+    decode: bool = False
+
+
+def _named(init: Any, *names: str) -> Any:
+    return nn.with_logical_partitioning(init, names)
+
+
+def _dense(cfg: TransformerConfig, features: int, names: tuple[str, str], name: str) -> nn.Dense:
+    """Dense with bias in cfg.dtype; kernel named `names`, bias names[-1:]."""
+    return nn.Dense(
+        features,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=_named(nn.initializers.xavier_uniform(), *names),
+        bias_init=_named(nn.initializers.zeros, names[-1]),
+        name=name,
+    )
+
+
+def sinusoidal_embedding(positions: Array, dim: int) -> Array:
+    """Sinusoidal position embeddings ([sin | cos] halves) of int [batch, length] positions.
+
+    Computed from explicit positions so packed segments each restart at 0.
+    Returns float32 [batch, length, dim].
+    """
+    # Vaswani et al.: channel pair i has wavelength 2*pi * 10000^(2i/dim).
+    inv_freq = np.power(1.0e4, -2.0 * np.arange(dim // 2) / dim).astype(np.float32)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def shift_right(targets: Array, segmentation: Array | None = None) -> Array:
+    """Decoder inputs: int [batch, length] targets shifted right by one, 0 (BOS) in front.
+
+    With packing the first token of every segment is 0 rather than the previous segment's
+    last token, so nothing leaks across segment boundaries.
+    """
+    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
+    if segmentation is not None:
+        previous_segment = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
+        shifted = jnp.where(segmentation == previous_segment, shifted, 0)
+    return shifted
+
+
+def attention_mask(
+    q_valid: Array, k_valid: Array, q_seg: Array | None = None, k_seg: Array | None = None,
+    causal: bool = False,
+) -> Array:  # fmt: skip
+    """Boolean [batch, 1, q_len, k_len] mask, True where a query may attend to a key."""
+    mask = q_valid[:, :, None] & k_valid[:, None, :]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    if causal:
+        q_len, k_len = mask.shape[1:]
+        mask &= jnp.arange(q_len)[:, None] >= jnp.arange(k_len)[None, :]
+    return mask[:, None]
+
+
+class Embedding(nn.Module):
+    """Token table ("vocab", "embed") that also produces logits through its transpose."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    param_dtype: Any
+
+    def setup(self) -> None:
+        # Std features^-1/2 puts the tied logits at unit scale; inputs get * sqrt(features).
+        init = nn.initializers.normal(stddev=self.features**-0.5)
+        shape = (self.num_embeddings, self.features)
+        self.embedding = self.param("embedding", _named(init, "vocab", "embed"), shape,
+                                    self.param_dtype)  # fmt: skip
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: Array) -> Array:
+        """x @ table^T: bf16 operands, float32 result so logits are never rounded to bf16."""
+        table = self.embedding.astype(self.dtype)
+        return jnp.einsum("ble,ve->blv", x, table, preferred_element_type=jnp.float32)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with statistics and affine transform in float32, output in `dtype`."""
+
+    dtype: Any
+    param_dtype: Any
+    epsilon: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = (x.shape[-1],)
+        scale = self.param("scale", _named(nn.initializers.ones, "embed"), shape, self.param_dtype)
+        bias = self.param("bias", _named(nn.initializers.zeros, "embed"), shape, self.param_dtype)
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + self.epsilon)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head dot-product attention (no biases); `cache=True` for decoding steps."""
+
+    config: TransformerConfig
+    cache: bool = False
+
+    @nn.compact
+    def __call__(self, x_q: Array, x_kv: Array, mask: Array | None, *, train: bool) -> Array:
+        cfg = self.config
+        head_dim = cfg.qkv_dim // cfg.num_heads
+
+        # Kernels are created at their true rank: DenseGeneral initialises a flattened 2-D
+        # kernel, which breaks rank-3 logical sharding constraints under a mesh.
+        def kernel(name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: Any):
+            fan_out = tuple(i for i in range(3) if i not in fan_in)
+            init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", fan_in, fan_out)
+            w = self.param(name, _named(init, *names), shape, cfg.param_dtype)
+            return w.astype(cfg.dtype)
+
+        proj = ((cfg.emb_dim, cfg.num_heads, head_dim), ("embed", "heads", "kv"), (0,))
+        q, k, v = (
+            jnp.einsum("ble,ehd->blhd", x, kernel(n, *proj))
+            for n, x in (("query", x_q), ("key", x_kv), ("value", x_kv))
+        )
+        # [batch, length, heads, head_dim] bf16
+        q, k, v = (nn.with_logical_constraint(t, _HEADS_ACT) for t in (q, k, v))
+        if self.cache:
+            k, v, mask = update_kv_cache(self, k, v, mask)
+        q = q * jnp.asarray(head_dim**-0.5, cfg.dtype)
+        # Scores and softmax in float32. [batch, heads, q_len, k_len]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        if mask is not None:
+            # A finite minimum keeps fully masked rows (padding queries) NaN-free.
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+        probs = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)(probs)
+        out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", probs, v), _HEADS_ACT)
+        w_out = kernel(
+            "out", (cfg.num_heads, head_dim, cfg.emb_dim), ("heads", "kv", "embed"), (0, 1)
+        )
+        return jnp.einsum("blhd,hde->ble", out, w_out)
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward block: Dense -> ReLU -> Dense, with biases."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        h = nn.relu(_dense(cfg, cfg.mlp_dim, ("embed", "mlp"), name="wi")(x))
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))  # [b, l, mlp] bf16
+        return _dense(cfg, cfg.emb_dim, ("mlp", "embed"), name="wo")(h)
+
+
+def _add_residual(x: Array, y: Array, rate: float, train: bool) -> Array:
+    """x + dropout(y); called inside a compact method, so the Dropout binds to that module."""
+    y = nn.Dropout(rate, deterministic=not train)(y)
+    return nn.with_logical_constraint(x + y, _EMBED_ACT)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LN encoder layer: self-attention and MLP, each as x + dropout(f(LN(x)))."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, train: bool) -> Array:
+        cfg = self.config
+        h = LayerNorm(cfg.dtype, cfg.param_dtype, name="attention_norm")(x)
+        h = MultiHeadAttention(cfg, name="attention")(h, h, mask, train=train)
+        x = _add_residual(x, h, cfg.dropout_rate, train)
+        h = LayerNorm(cfg.dtype, cfg.param_dtype, name="mlp_norm")(x)
+        return _add_residual(x, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-LN decoder layer: causal self-attention, cross-attention, MLP."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, y: Array, encoded: Array, self_mask: Array | None, cross_mask: Array, *, train: bool
+    ) -> Array:
+        cfg = self.config
+        h = LayerNorm(cfg.dtype, cfg.param_dtype, name="self_attention_norm")(y)
+        h = MultiHeadAttention(cfg, cache=cfg.decode, name="self_attention")(
+            h, h, self_mask, train=train
+        )
+        y = _add_residual(y, h, cfg.dropout_rate, train)
+        h = LayerNorm(cfg.dtype, cfg.param_dtype, name="cross_attention_norm")(y)
+        h = MultiHeadAttention(cfg, name="cross_attention")(h, encoded, cross_mask, train=train)
+        y = _add_residual(y, h, cfg.dropout_rate, train)
+        h = LayerNorm(cfg.dtype, cfg.param_dtype, name="mlp_norm")(y)
+        return _add_residual(y, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; see `TransformerConfig`."""
+
+    config: TransformerConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        table = dict(num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=cfg.dtype,
+                     param_dtype=cfg.param_dtype)  # fmt: skip
+        if cfg.share_embeddings:
+            self.shared_embedding = Embedding(**table)
+        else:  # Separate source, target and output (logits) tables.
+            self.encoder_embedding = Embedding(**table)
+            self.decoder_embedding = Embedding(**table)
+            self.logits_embedding = Embedding(**table)
+        self.encoder_layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
+        self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+        self.encoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
+        self.decoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
+        self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
+
+    def _table(self, role: str) -> Embedding:
+        if self.config.share_embeddings:
+            return self.shared_embedding
+        return getattr(self, f"{role}_embedding")
+
+    def _embed(self, role: str, ids: Array, positions: Array | None, train: bool) -> Array:
+        """Scaled token embedding + sinusoidal positions. [batch, length, emb] bf16."""
+        cfg = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        x = self._table(role)(ids) * jnp.asarray(math.sqrt(cfg.emb_dim), cfg.dtype)
+        x = x + sinusoidal_embedding(positions, cfg.emb_dim).astype(cfg.dtype)
+        x = self.embedding_dropout(x, deterministic=not train)
+        return nn.with_logical_constraint(x, _EMBED_ACT)
+
+    def encode(
+        self,
+        inputs: Array,
+        *,
+        inputs_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        train: bool = False,
+    ) -> Array:
+        """Encodes int [batch, input_len] ids to [batch, input_len, emb_dim] in `dtype`.
+
+        Arguments are as in `__call__`.
+        """
+        x = self._embed("encoder", inputs, inputs_positions, train)
+        seg = inputs_segmentation
+        mask = attention_mask(inputs > 0, inputs > 0, seg, seg)
+        for layer in self.encoder_layers:
+            x = layer(x, mask, train=train)
+        return self.encoder_norm(x)
+
+    def decode(
+        self,
+        encoded: Array,
+        inputs: Array,
+        targets: Array,
+        *,
+        targets_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        train: bool = False,
+    ) -> Array:
+        """Float32 logits [batch, target_len, vocab] given `encoded` = the `encode` output.
+
+        `inputs` are the source ids (for the padding mask). Teacher forcing: `targets` are
+        whole target sequences, shifted right here. With config.decode: `targets` are the
+        [batch, 1] tokens fed back from the previous step (BOS = 0 first) and
+        `targets_positions` must hold the step index. Other arguments as in `__call__`.
+        """
+        if self.config.decode:
+            decoder_inputs, self_mask = targets, None  # Cached self-attention masks itself.
+            cross_mask = attention_mask(jnp.ones(targets.shape, bool), inputs > 0)
+        else:
+            decoder_inputs = shift_right(targets, targets_segmentation)
+            # Validity follows the targets: position 0 holds BOS (= 0) but is real.
+            valid, seg = targets > 0, targets_segmentation
+            self_mask = attention_mask(valid, valid, seg, seg, causal=True)
+            cross_mask = attention_mask(valid, inputs > 0, seg, inputs_segmentation)
+        y = self._embed("decoder", decoder_inputs, targets_positions, train)
+        for layer in self.decoder_layers:
+            y = layer(y, encoded, self_mask, cross_mask, train=train)
+        logits = self._table("logits").attend(self.decoder_norm(y))
+        # [batch, target_len, vocab] float32
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+    def __call__(
+        self,
+        inputs: Array,
+        targets: Array,
+        *,
+        inputs_positions: Array | None = None,
+        targets_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        train: bool = False,
+    ) -> Array:
+        """Teacher-forced logits, float32 [batch, target_len, vocab].
+
+        Args:
+          inputs: int [batch, input_len] source ids, 0 = padding.
+          targets: int [batch, target_len] target ids, 0 = padding (shifted right inside).
+          inputs_positions: int [batch, input_len] positions within segments (packing).
+          targets_positions: int [batch, target_len] positions within segments.
+          inputs_segmentation: int [batch, input_len] segment ids, 0 = padding; attention
+            never crosses segments.
+          targets_segmentation: int [batch, target_len] segment ids.
+          train: enables dropout (needs the "dropout" rng).
+        """
+        longest = max(inputs.shape[1], targets.shape[1])
+        if longest > self.config.max_len:
+            raise ValueError(f"sequence length {longest} exceeds max_len {self.config.max_len}")
+        encoded = self.encode(
+            inputs, inputs_positions=inputs_positions, inputs_segmentation=inputs_segmentation,
+            train=train,
+        )  # fmt: skip
+        return self.decode(
+            encoded, inputs, targets, targets_positions=targets_positions,
+            inputs_segmentation=inputs_segmentation, targets_segmentation=targets_segmentation,
+            train=train,
+        )  # fmt: skip
+
+
+def loss_and_metrics(
+    logits: Array, targets: Array, weights: Array | None = None, label_smoothing: float = 0.0
+) -> tuple[Array, dict[str, Array]]:
+    """Label-smoothed cross entropy, summed (not averaged) over tokens.
+
+    The smoothed target puts 1 - label_smoothing on the label and label_smoothing / (V - 1)
+    on every other token. Its entropy is subtracted, making the loss a KL divergence: a
+    prediction equal to the smoothed target scores 0.
+
+    Args:
+      logits: float [batch, length, vocab].
+      targets: int [batch, length].
+      weights: float [batch, length]; defaults to (targets > 0).
+      label_smoothing: Python float in [0, 1).
+
+    Returns:
+      (loss_sum, metrics); metrics holds sums "loss", "nll" (unsmoothed), "accuracy" (correct
+      tokens) and "weight" (real tokens).
+    """
+    vocab = logits.shape[-1]
+    if weights is None:
+        weights = (targets > 0).astype(jnp.float32)
+    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    # Entropy of the smoothed target, with 0 * log 0 = 0.
+    entropy = -sum(p * math.log(p) * n for p, n in ((confidence, 1), (low, vocab - 1)) if p > 0)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    label_log_prob = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    # -sum_v q_v log p_v with q = low + (confidence - low) * onehot, without a
+    # [batch, length, vocab] one-hot.
+    cross_entropy = -((confidence - low) * label_log_prob + low * log_probs.sum(-1))
+    loss = ((cross_entropy - entropy) * weights).sum()
+    metrics = {
+        "loss": loss,
+        "nll": (-label_log_prob * weights).sum(),
+        "accuracy": ((logits.argmax(-1) == targets) * weights).sum(),
+        "weight": weights.sum(),
+    }
+    return loss, metrics
+
+
+def param_count(config: TransformerConfig) -> int:
+    """Exact number of parameters, with V vocab, E emb, Q qkv, M mlp.
+
+    Embeddings: V*E if shared, else 3*V*E (source, target and output tables).
+    Attention 4*E*Q (q, k, v, out; no biases); MLP 2*E*M + M + E; LayerNorm 2*E.
+    Encoder layer = attention + MLP + 2 LN; decoder layer = 2 attentions + MLP + 3 LN;
+    plus a final LN per stack.
+    """
+    v, e, q, m = config.vocab_size, config.emb_dim, config.qkv_dim, config.mlp_dim
+    embeddings = v * e if config.share_embeddings else 3 * v * e
+    attention, mlp, norm = 4 * e * q, 2 * e * m + m + e, 2 * e
+    encoder = config.num_encoder_layers * (attention + mlp + 2 * norm)
+    decoder = config.num_decoder_layers * (2 * attention + mlp + 3 * norm)
+    return embeddings + encoder + decoder + 2 * norm
+
+
+def train_flops_per_example(config: TransformerConfig, input_len: int, target_len: int) -> float:
+    """Model FLOPs of one training step on one example: 3 x forward matmul FLOPs.
+
+    An [m, k] @ [k, n] matmul counts 2*m*n*k. Embedding gathers, LayerNorm, softmax and
+    other elementwise work are ignored; attention counts the full (not causally halved)
+    square. With S = input_len, T = target_len and E, Q, M, V = emb, qkv, mlp, vocab:
+
+      encoder layer = S*(8*E*Q + 4*E*M) + 4*S^2*Q   (q/k/v/out, scores + values, MLP)
+      decoder layer = T*(8*E*Q + 4*E*M) + 4*T^2*Q   (self-attention, MLP)
+                      + 4*(T + S)*E*Q + 4*T*S*Q     (cross-attention)
+      logits        = 2*T*E*V
+      train         = 3 * (L_enc * encoder layer + L_dec * decoder layer + logits)
+    """
+    s, t = input_len, target_len
+    e, q, m, v = config.emb_dim, config.qkv_dim, config.mlp_dim, config.vocab_size
+    encoder_layer = s * (8 * e * q + 4 * e * m) + 4 * s * s * q
+    decoder_layer = t * (8 * e * q + 4 * e * m) + 4 * t * t * q + 4 * (t + s) * e * q
+    decoder_layer += 4 * t * s * q
+    forward = (
+        config.num_encoder_layers * encoder_layer
+        + config.num_decoder_layers * decoder_layer
+        + 2 * t * e * v
+    )
+    return 3.0 * forward

@@ -1,0 +1,101 @@
+"""The trainer end to end on the tiny config, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import transformer_1024
+from trainer import train as train_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny(data_dir, **overrides):
+    config = transformer_1024.get_config("tiny")
+    config.data.data_dir = data_dir
+    config.data.num_eval_examples = 32
+    config.max_decode_length = 16
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_run_learns_and_reports(data_dir, tmp_path):
+    config = tiny(data_dir, num_train_steps=120, steps_per_loop=20, log_every_steps=20,
+                  eval_every_steps=120)  # fmt: skip
+    train_lib.train(config, str(tmp_path))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [20, 40, 60, 80, 100, 120]
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    assert last < 0.7 * first, (first, last)
+    for key in ("learning_rate", "examples_per_sec", "tokens_per_sec", "mfu", "steps_per_sec"):
+        assert rows[-1][key] > 0, key
+    final = rows[-1]
+    assert final["eval/loss"] < first
+    assert 0.0 < final["eval/accuracy"] <= 1.0
+    assert 0.0 <= final["eval/bleu"] <= 100.0
+    assert os.path.exists(tmp_path / "config.json")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+
+
+def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
+    states, losses = [], []
+    for k in (1, 4):
+        config = tiny(data_dir, num_train_steps=8, steps_per_loop=k, log_every_steps=4,
+                      eval_every_steps=0)  # fmt: skip
+        workdir = tmp_path / f"k{k}"
+        states.append(train_lib.train(config, str(workdir)))
+        losses.append([r["loss"] for r in read_metrics(workdir)])
+    assert losses[0] == losses[1]
+    for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(states[0].step) == int(states[1].step) == 8
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--config.nonexistent_key=1"], "unknown config key 'nonexistent_key'"),
+        (["--config.optimizer.bogus=1"], "unknown config key 'optimizer.bogus'"),
+        (["--config.global_batch_size=abc"], "--config.global_batch_size=abc"),
+        (["--config.global_batch_size=12"], "global_batch_size=12 is not divisible by the 8"),
+        (["--config.mesh.axes.model=3"], "8 devices are not divisible by the product 3"),
+        (["--config.data.name=wmt14_translate/de-en"], "tfds build wmt14_translate/de-en"),
+        (["--config.log_every_steps=7"], "log_every_steps=7 must be a multiple of steps_per_loop"),
+        (["--config.optimizer.learning_rate=1e30", "--config.num_train_steps=40"],
+         "loss is nan at step"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
+    result = run_cli(
+        "--config", "configs/transformer_1024.py:tiny", "--workdir", str(tmp_path),
+        "--cpu_devices", "8", f"--config.data.data_dir={data_dir}", *overrides,
+    )  # fmt: skip
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
