@@ -61,7 +61,9 @@ def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
         states.append(train_lib.train(config, str(workdir)))
         losses.append([r["loss"] for r in read_metrics(workdir)])
     assert losses[0] == losses[1]
-    for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(states[0].step) == int(states[1].step) == 8
 

@@ -26,7 +26,9 @@ _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collectiv
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
-_CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}\s]+(?:,\s*%[^,}\s]+)*)")
+_CALLED = re.compile(
+    r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}\s]+(?:,\s*%[^,}\s]+)*)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,11 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         elif current is not None:
             bodies[current].append(line)
     calls = {
-        name: {c.strip().lstrip("%") for m in _CALLED.finditer("\n".join(lines)) for c in m.group(1).split(",")}
+        name: {
+            c.strip().lstrip("%")
+            for m in _CALLED.finditer("\n".join(lines))
+            for c in m.group(1).split(",")
+        }
         for name, lines in bodies.items()
     }
     loop_bodies = {

@@ -47,7 +47,9 @@ def resolve_rules(rules: Iterable[Sequence], mesh: Mesh) -> Rules:
                     f"but the mesh has axes {mesh.axis_names}"
                 )
         if mesh_lib.DATA_AXIS in axes:
-            axes = tuple(a for ax in axes for a in (mesh_lib.data_axes(mesh) if ax == "data" else (ax,)))
+            axes = tuple(
+                a for ax in axes for a in (mesh_lib.data_axes(mesh) if ax == "data" else (ax,))
+            )
         out.append((logical, axes[0] if len(axes) == 1 else (axes or None)))
     return tuple(out)
 

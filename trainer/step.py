@@ -86,9 +86,7 @@ def make_step_fns(
             spmd_axis_name=data_axes,
         )
         with nn.logical_axis_rules(replica_rules):
-            (_, (sums, model_state)), grads = grad_fn(
-                params, state.model_state, rows, rngs, weight
-            )
+            (_, (sums, model_state)), grads = grad_fn(params, state.model_state, rows, rngs, weight)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         new_state = TrainState(
             step=state.step + 1,

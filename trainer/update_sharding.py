@@ -372,9 +372,7 @@ def weight_update_sharding(
     def update_fn(updates, state, params=None):
         grads = plan.reduce(updates)
         updates, inner_state = inner.update(grads, state.inner_state, params)
-        updates = jax.tree.map(
-            jax.lax.with_sharding_constraint, updates, plan.stored_shardings()
-        )
+        updates = jax.tree.map(jax.lax.with_sharding_constraint, updates, plan.stored_shardings())
         return updates, WeightUpdateShardingState(constrain(inner_state))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -51,9 +51,7 @@ class Task:
     counts_tokens: bool = False
 
 
-def make_task(
-    config: ml_collections.ConfigDict, *, process_index: int, process_count: int
-) -> Task:
+def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
     """Builds the task named by ``config.model.name``."""
     from trainer.tasks import translation  # noqa: PLC0415  (heavy imports, on demand)
 

@@ -86,7 +86,9 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
             rngs={"dropout": rng} if train else {},
         )
         weights = (batch["targets"] > 0).astype(jnp.float32)
-        loss, sums = transformer.loss_and_metrics(logits, batch["targets"], weights, label_smoothing)
+        loss, sums = transformer.loss_and_metrics(
+            logits, batch["targets"], weights, label_smoothing
+        )
         return loss, (sums, {})
 
     def weight_fn(batch):
