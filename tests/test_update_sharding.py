@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs import common
-from trainer import hlo, optimizers
+from trainer import hlo, optimizers, shard_layout
 from trainer import mesh as mesh_lib
 from trainer import update_sharding as us
 
@@ -130,17 +130,20 @@ def test_sharded_update_matches_replicated(opt_name):
     ],
 )
 def test_layout_choice(shape, shards, stored, pad):
-    lay = us.choose_layout(shape, P(), shards, min_shard_bytes=0)
+    lay = shard_layout.choose_layout(shape, P(), shards, min_shard_bytes=0)
     assert lay.stored_shape == stored
     assert lay.pad == pad
     assert lay.sharded == (shape != ())
 
 
 def test_layout_respects_model_sharding_and_threshold():
-    lay = us.choose_layout((64, 48), P(None, "model"), 8, min_shard_bytes=0)
+    lay = shard_layout.choose_layout((64, 48), P(None, "model"), 8, min_shard_bytes=0)
     assert lay.stored_spec() == P("data", "model")
-    assert us.choose_layout((64, 48), P(), 8, min_shard_bytes=64 * 48 * 4 + 1).sharded is False
-    assert us.choose_layout((64, 48), P(), 8, min_shard_bytes=64 * 48 * 4).sharded is True
+    assert (
+        shard_layout.choose_layout((64, 48), P(), 8, min_shard_bytes=64 * 48 * 4 + 1).sharded
+        is False
+    )
+    assert shard_layout.choose_layout((64, 48), P(), 8, min_shard_bytes=64 * 48 * 4).sharded is True
 
 
 def test_round_trip_is_exact():
@@ -209,16 +212,21 @@ def test_hlo_gathers_bf16_weights_and_reduce_scatters_f32():
         x = jnp.ones((4, 8), jnp.bfloat16)
         _, text = hlo.compile_with_dump(jax.jit(loop).lower(stored, state, x))
     found = [c for c in hlo.collectives(text, 8) if c.in_loop]
-    gathers = [c for c in found if c.kind == "all-gather"]
-    scatters = [c for c in found if c.kind == "reduce-scatter"]
     sharded = [
         lay
-        for lay in jax.tree.leaves(plan.layouts, is_leaf=lambda x: isinstance(x, us.LeafLayout))
+        for lay in jax.tree.leaves(
+            plan.layouts, is_leaf=lambda x: isinstance(x, shard_layout.LeafLayout)
+        )
         if lay.sharded
     ]
-    # One bf16 gather per sharded weight; no f32 gather (weights or Adam state).
-    assert len(gathers) == len(sharded) and {c.dtype for c in gathers} == {"bf16"}
-    assert len(scatters) == len(sharded) and {c.dtype for c in scatters} == {"f32"}
+    # One bf16 all-gather per sharded weight, of the whole weight, and no f32
+    # gather at all (neither weights nor Adam state); one f32 reduce-scatter each.
+    gathers = sorted(c.result_bytes for c in found if c.kind == "all-gather")
+    assert gathers == sorted(2 * math.prod(lay.stored_shape) for lay in sharded)
+    assert {c.dtype for c in found if c.kind == "all-gather"} == {"bf16"}
+    scatters = sorted(c.result_bytes for c in found if c.kind == "reduce-scatter")
+    assert scatters == sorted(4 * math.prod(lay.stored_shape) // 8 for lay in sharded)
+    assert {c.dtype for c in found if c.kind == "reduce-scatter"} == {"f32"}
     # Only the replicated scalar is all-reduced.
     assert [c.result_bytes for c in found if c.kind == "all-reduce"] == [4]
 

@@ -1,0 +1,174 @@
+"""``python -m trainer.bench --config C [--modes none,fsdp,wus] [--json FILE]``.
+
+Compiles and times the training loop of config ``C`` once per update-sharding
+mode, on the same devices, and prints per mode: step time (median of several
+loops), per-device bytes of weights + optimizer state (from the addressable
+shards), per-device argument and temp bytes (``compiled.memory_analysis()``),
+collective bytes per step by kind and dtype (from the HLO after SPMD
+partitioning), and the per-parameter sharding plan. Takes the trainer's
+``--config.x=y`` overrides and ``--cpu_devices``.
+
+``--steps_per_loop 1,8`` times several loop lengths in the same run;
+``--measure_peak`` measures this machine's matmul peak for MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from trainer import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
+_MODES = flags.DEFINE_list("modes", ["none", "fsdp", "wus"], "Update-sharding modes to time.")
+_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+_LOOPS = flags.DEFINE_integer("loops", 5, "Timed loops per mode (after one warm-up loop).")
+_STEPS_PER_LOOP = flags.DEFINE_list(
+    "steps_per_loop", [], "Loop lengths K to time (default: the config's)."
+)
+_MEASURE_PEAK = flags.DEFINE_bool(
+    "measure_peak", False, "Measure the devices' matmul peak and report MFU against it."
+)
+_PLAN = flags.DEFINE_bool("plan", True, "Print the per-parameter sharding plan.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
+flags.mark_flags_as_required(["config"])
+
+
+def measure_matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of all devices together on one big batched matmul per device."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    x = jax.device_put(jnp.ones((len(devices), n, n), dtype), sharding)
+    matmul = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a), out_shardings=sharding)
+    matmul(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 * len(devices) / min(times)
+
+
+def bench_mode(config, mode: str, loop_lengths: list[int], loops: int, peak: float) -> dict:
+    """Compiles and times one mode; returns its figures."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from trainer import experiment, hlo  # noqa: PLC0415
+
+    config = config.copy_and_resolve_references()
+    config.optimizer.update_sharding = mode
+    exp = experiment.build(config)
+    state = exp.init()
+
+    def per_device(tree) -> int:
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    result = {
+        "state_bytes_per_device": per_device((state.params, state.opt_state)),
+        "plan": [list(map(str, row)) for row in exp.plan.table()],
+    }
+    for i, k in enumerate(loop_lengths):
+        batches = exp.next_batches(k)
+        with jax.set_mesh(exp.mesh):
+            lowered = exp.jit_loop().lower(exp.abstract_state, exp.abstract_batches(k))
+            compiled, text = hlo.compile_with_dump(lowered)
+        state, _ = compiled(state, batches)  # warm-up
+        jax.block_until_ready(state)
+        times = []
+        for _ in range(loops):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batches)
+            jax.block_until_ready((state, metrics))
+            times.append((time.perf_counter() - start) / k)
+        step_time = statistics.median(times)
+        examples = config.global_batch_size / step_time
+        figures = {
+            "step_time_s": step_time,
+            "examples_per_sec": examples,
+            "mfu": exp.task.flops_per_example * examples / peak,
+        }
+        if i == 0:
+            memory = compiled.memory_analysis()
+            figures |= {
+                "steps_per_loop": k,
+                "argument_bytes": int(memory.argument_size_in_bytes),
+                "temp_bytes": int(memory.temp_size_in_bytes),
+                "collective_bytes": hlo.bytes_by_kind(hlo.collectives(text, jax.device_count())),
+                "final_loss": float(np.sum(metrics["loss"]) / np.sum(metrics["weight"])),
+            }
+            result |= figures
+        result.setdefault("by_steps_per_loop", {})[str(k)] = figures
+    return result
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def report(results: dict, peak: float, measured: bool) -> None:
+    """Prints one table per mode, then the ratios against ``none``."""
+    for mode, r in results.items():
+        print(f"\n== {mode} ==")
+        print(
+            f"  step time (median)        {r['step_time_s'] * 1e3:10.2f} ms  (K={r['steps_per_loop']})"
+        )
+        for k, f in r["by_steps_per_loop"].items():
+            print(f"  K={k:<4} examples/s {f['examples_per_sec']:12.1f}   MFU {f['mfu']:.2%}")
+        print(f"  weights + opt state/device {_mib(r['state_bytes_per_device']):>14}")
+        print(f"  argument bytes/device      {_mib(r['argument_bytes']):>14}")
+        print(f"  temp bytes/device          {_mib(r['temp_bytes']):>14}")
+        for kind, n in sorted(r["collective_bytes"].items()):
+            print(f"  collective {kind:<22} {_mib(n):>14} per step per device")
+        if _PLAN.value:
+            print("  sharding plan:")
+            for name, shape, layout in r["plan"]:
+                print(f"    {name:<48} {shape:<18} {layout}")
+    print(f"\npeak FLOP/s for MFU: {peak:.3e} ({'measured matmul' if measured else 'config'})")
+    if "none" in results:
+        base = results["none"]
+        for mode, r in results.items():
+            if mode == "none":
+                continue
+            base_coll = sum(base["collective_bytes"].values()) or 1.0
+            state = r["state_bytes_per_device"] / base["state_bytes_per_device"]
+            print(
+                f"{mode} vs none: step time x{r['step_time_s'] / base['step_time_s']:.2f}, "
+                f"state/device x{state:.3f}, "
+                f"collective bytes x{sum(r['collective_bytes'].values()) / base_coll:.2f}"
+            )
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
+    import jax  # noqa: PLC0415
+
+    config = _CONFIG.value
+    loop_lengths = [int(k) for k in _STEPS_PER_LOOP.value] or [config.steps_per_loop]
+    with cli.clear_errors():
+        peak = (
+            measure_matmul_peak(config.model.get("dtype", "float32"))
+            if _MEASURE_PEAK.value
+            else config.peak_flops_per_device * jax.device_count()
+        )
+        results = {m: bench_mode(config, m, loop_lengths, _LOOPS.value, peak) for m in _MODES.value}
+    report(results, peak, _MEASURE_PEAK.value)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)
