@@ -119,9 +119,8 @@ def report(results: dict, peak: float, measured: bool) -> None:
     """Prints one table per mode, then the ratios against ``none``."""
     for mode, r in results.items():
         print(f"\n== {mode} ==")
-        print(
-            f"  step time (median)        {r['step_time_s'] * 1e3:10.2f} ms  (K={r['steps_per_loop']})"
-        )
+        step_ms, k = r["step_time_s"] * 1e3, r["steps_per_loop"]
+        print(f"  step time (median)        {step_ms:10.2f} ms  (K={k})")
         for k, f in r["by_steps_per_loop"].items():
             print(f"  K={k:<4} examples/s {f['examples_per_sec']:12.1f}   MFU {f['mfu']:.2%}")
         print(f"  weights + opt state/device {_mib(r['state_bytes_per_device']):>14}")
