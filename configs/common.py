@@ -30,6 +30,8 @@ def base_config() -> ml_collections.ConfigDict:
     # How many slices each axis spans (multi-slice runs over DCN).
     config.mesh.dcn_axes = ml_collections.ConfigDict({"data": 1, "model": 1})
     config.mesh.rules = (("batch", "data"),)
+    # Use only the first N devices (0 = all), e.g. to try a smaller mesh on a laptop.
+    config.mesh.num_devices = 0
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "adam"

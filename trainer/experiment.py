@@ -24,6 +24,7 @@ from trainer import optimizers, update_sharding
 from trainer import sharding as sharding_lib
 from trainer import step as step_lib
 from trainer import tasks as tasks_lib
+from trainer.shard_layout import LeafLayout
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,46 @@ class Experiment:
             self.task.init_batch,
         )
 
+    def logical_shardings(self) -> step_lib.TrainState:
+        """Shardings of the train state with params and optimizer state in their
+        logical shapes: the portable form checkpoints are written in."""
+        plan = self.plan
+        logical_opt = jax.eval_shape(plan.state_to_logical, self.abstract_state.opt_state)
+        return self.state_shardings._replace(
+            params=jax.tree.map(
+                plan.logical_sharding, plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)
+            ),
+            opt_state=plan.logical_state_shardings(logical_opt),
+        )
+
+    def abstract_logical_state(self) -> step_lib.TrainState:
+        """ShapeDtypeStructs (with shardings) of the logical-shape train state."""
+        shapes = jax.eval_shape(self.to_logical, self.abstract_state)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            shapes,
+            self.logical_shardings(),
+        )
+
+    def to_logical(self, state: step_lib.TrainState) -> step_lib.TrainState:
+        """Stored layout -> logical shapes (padding dropped), for checkpoints."""
+        return state._replace(
+            params=self.plan.to_logical(state.params),
+            opt_state=self.plan.state_to_logical(state.opt_state),
+        )
+
+    def from_logical(self, state: step_lib.TrainState) -> step_lib.TrainState:
+        """Logical shapes -> this run's stored layout, sharded as the run wants."""
+
+        def convert(state):
+            return state._replace(
+                params=self.plan.to_stored(state.params),
+                opt_state=self.plan.state_to_stored(state.opt_state),
+            )
+
+        with jax.set_mesh(self.mesh):
+            return jax.jit(convert, out_shardings=self.state_shardings, donate_argnums=0)(state)
+
     def jit_loop(self):
         """The K-step loop, jitted with explicit shardings and donated state."""
         return jax.jit(
@@ -132,6 +173,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         config.mesh.axes.to_dict(),
         config.mesh.dcn_axes.to_dict(),
         shard_group_size=opt_cfg.shard_group_size,
+        devices=jax.devices()[: config.mesh.num_devices] if config.mesh.num_devices else None,
     )
     rules = sharding_lib.resolve_rules(config.mesh.rules, mesh)
     _check_batch(config, mesh)

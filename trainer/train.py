@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 
 import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
+from trainer import checkpoint as checkpoint_lib
 from trainer import experiment as experiment_lib
 from trainer import metrics as metrics_lib
 from trainer import step as step_lib
@@ -55,11 +58,27 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
     # ------------------------------------- mesh, data, model and optimizer
     exp = experiment_lib.build(config)
     mesh, task = exp.mesh, exp.task
-    state = exp.init()
     writer.info(
         f"model {config.model.name}: {exp.num_params:,} parameters; mesh {dict(mesh.shape)}; "
         f"update sharding '{exp.plan.mode}'"
     )
+
+    # ------------------------------------------------ restore or initialise
+    checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+    restored = checkpointer.restore(exp.abstract_logical_state())
+    if restored is None:
+        state = exp.init()
+    else:
+        saved_step, logical, data_state = restored
+        state = exp.from_logical(step_lib.TrainState(**logical))
+        task.train_data.set_state(data_state)
+        writer.info(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
+    preemption = _Preemption(checkpointer)
+
+    def save(step: int, data_state) -> None:
+        with jax.set_mesh(mesh):
+            logical_state = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())(state)
+        checkpointer.save(step, logical_state, data_state, config)
 
     # ------------------------------------------------------- compiled loop
     @functools.cache
@@ -95,14 +114,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
     window: list[dict] = []
     timer = metrics_lib.Throughput()
     steps_since_lap = 0
-    batch = exp.next_batches(min(k_max, total - step))
-    compiled_loop(min(k_max, total - step))
+    if step < total:
+        batch = exp.next_batches(min(k_max, total - step))
+        batch_data_state = task.train_data.get_state()
+        compiled_loop(min(k_max, total - step))
     timer.lap(0)
     while step < total:
         k = min(k_max, total - step)
         state, loop_metrics = compiled_loop(k)(state, batch)
+        # The input position after this loop's batches, for its checkpoint.
+        data_state = batch_data_state
         if step + k < total:  # overlaps host input work with the device loop
             batch = exp.next_batches(min(k_max, total - step - k))
+            batch_data_state = task.train_data.get_state()
         loop_metrics = jax.device_get(loop_metrics)
         _check_finite(loop_metrics, step)
         step += k
@@ -134,8 +158,40 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
                 timer.lap(0)  # eval time is not training throughput
             writer.write(step, scalars)
             writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9))
+
+        every = config.checkpoint_every_steps
+        stop = preemption.requested(step)
+        if (every and step % every == 0) or step == total or stop:
+            save(step, data_state)
+        if stop:
+            checkpointer.wait()
+            writer.info(f"preempted: saved step {step} in {checkpointer.directory}; exiting")
+            break
+    checkpointer.close()  # waits for the last save
     writer.close()
     return state
+
+
+class _Preemption:
+    """SIGTERM, or JAX's preemption notice where the platform sends one (TPU
+    VMs), asks the loop to save and stop at the next loop boundary."""
+
+    def __init__(self, checkpointer: checkpoint_lib.Checkpointer):
+        self._signalled = False
+        self._checkpointer = checkpointer
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        del signum, frame
+        self._signalled = True
+
+    def requested(self, step: int) -> bool:
+        if self._checkpointer.reached_preemption(step):
+            return True
+        if jax.process_count() > 1:
+            # Every host must stop at the same step, whichever got the signal.
+            return bool(np.any(multihost_utils.process_allgather(np.array(self._signalled))))
+        return self._signalled
 
 
 def _check_finite(loop_metrics: dict, first_step: int) -> None:

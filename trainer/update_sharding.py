@@ -176,30 +176,68 @@ class UpdateShardingPlan:
         )(*leaves)
         return jax.tree.unflatten(treedef, reduced)
 
-    def state_shardings(self, state):
-        """Shardings for an optimizer state (arrays or ShapeDtypeStructs).
+    def map_state(self, fn, other, state, *, logical: bool = False):
+        """Maps ``fn(layout, leaf)`` over the param-shaped leaves of an optimizer
+        state and ``other(leaf)`` over the rest (counts, scalars).
 
-        A leaf whose path ends with a parameter's path and whose shape is that
-        parameter's stored shape (Adam's ``mu``/``nu``, momentum, ...) follows the
-        parameter's layout; everything else (counts, scalars) is replicated.
-        Matching by path works through ``optax.chain`` and ``optax.masked``.
+        A leaf is param-shaped when its path ends with a parameter's path and its
+        shape is that parameter's stored shape (or logical shape, if
+        ``logical``): Adam's ``mu``/``nu``, momentum, ... Matching by path works
+        through ``optax.chain`` and ``optax.masked``.
         """
         by_path = {
             _path_key(path): lay
             for path, lay in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=_is_layout)
         }
         depths = sorted({len(k) for k in by_path}, reverse=True)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def one(path, leaf):
             key = _path_key(path)
             for depth in depths:
                 lay = by_path.get(key[len(key) - depth :]) if depth <= len(key) else None
-                if lay is not None and tuple(leaf.shape) == lay.stored_shape:
-                    return NamedSharding(self.mesh, lay.stored_spec())
-            return replicated
+                shape = lay and (lay.shape if logical else lay.stored_shape)
+                if lay is not None and tuple(leaf.shape) == shape:
+                    return fn(lay, leaf)
+            return other(leaf)
 
         return jax.tree_util.tree_map_with_path(one, state)
+
+    def state_shardings(self, state):
+        """Shardings for an optimizer state (arrays or ShapeDtypeStructs): param-
+        shaped leaves follow their parameter's layout, the rest is replicated."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return self.map_state(
+            lambda lay, _: NamedSharding(self.mesh, lay.stored_spec()), lambda _: replicated, state
+        )
+
+    def logical_sharding(self, lay: LeafLayout) -> NamedSharding:
+        """Sharding of a parameter in its logical shape, for checkpoints: the
+        stored sharding where the layout only splits one dim, else model axes."""
+        spec = lay.stored_spec() if lay.stored_shape == lay.shape else PartitionSpec(*lay.spec)
+        return NamedSharding(self.mesh, spec)
+
+    def state_to_logical(self, state):
+        """Optimizer state in stored layout -> logical shapes (for checkpoints)."""
+        return self.map_state(lambda lay, x: lay.to_logical(x), lambda x: x, state)
+
+    def state_to_stored(self, state):
+        """Optimizer state in logical shapes -> stored layout, constrained."""
+        return self.map_state(
+            lambda lay, x: jax.lax.with_sharding_constraint(
+                lay.to_stored(x), NamedSharding(self.mesh, lay.stored_spec())
+            ),
+            lambda x: x,
+            state,
+            logical=True,
+        )
+
+    def logical_state_shardings(self, logical_state):
+        """Shardings of an optimizer state in logical shapes."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return self.map_state(
+            lambda lay, _: self.logical_sharding(lay), lambda _: replicated, logical_state,
+            logical=True,
+        )  # fmt: skip
 
     def table(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, logical shape, layout description) for every parameter."""

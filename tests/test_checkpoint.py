@@ -1,0 +1,203 @@
+"""Checkpoints: exact resume, resharding on restore, preemption and faults."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import transformer_1024
+from trainer import checkpoint as checkpoint_lib
+from trainer import experiment
+from trainer import step as step_lib
+from trainer import train as train_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny(data_dir, **overrides):
+    config = transformer_1024.get_config("tiny")
+    config.data.data_dir = data_dir
+    config.data.num_eval_examples = 16
+    config.max_decode_length = 8
+    config.update(num_train_steps=20, steps_per_loop=5, log_every_steps=5, eval_every_steps=0,
+                  checkpoint_every_steps=10)  # fmt: skip
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+def logical_params(exp, state):
+    with jax.set_mesh(exp.mesh):
+        return jax.tree.map(np.asarray, jax.jit(exp.to_logical)(state).params)
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def saved_run(data_dir, tmp_path_factory):
+    """A 20-step wus run on 8 devices with checkpoints at steps 10 and 20."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = tiny(data_dir)
+    state = train_lib.train(config, workdir)
+    return workdir, logical_params(experiment.build(config), state)
+
+
+def test_resumed_run_equals_uninterrupted_run(data_dir, saved_run, tmp_path):
+    workdir, final = saved_run
+    # Stop at step 10 (as if preempted), then resume to 20 in the same workdir.
+    train_lib.train(tiny(data_dir, num_train_steps=10), str(tmp_path))
+    config = tiny(data_dir)
+    resumed = train_lib.train(config, str(tmp_path))
+    assert_trees_equal(logical_params(experiment.build(config), resumed), final)
+
+    def losses(d):
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            return [
+                line
+                for line in f.read().splitlines()
+                if '"step": 15' in line or '"step": 20' in line
+            ]
+
+    def loss_values(d):
+        return [line.split('"loss": ')[1].split(",")[0] for line in losses(d)]
+
+    assert loss_values(tmp_path) == loss_values(workdir)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"mesh.num_devices": 4},
+        {"mesh.num_devices": 4, "mesh.axes.data": 2, "mesh.axes.model": 2},
+        {"mesh.num_devices": 1},
+        {"optimizer.update_sharding": "none"},
+        {"optimizer.update_sharding": "fsdp"},
+    ],
+)
+def test_restore_reshards(data_dir, saved_run, overrides):
+    workdir, final = saved_run
+    config = tiny(data_dir, **overrides)
+    exp = experiment.build(config)
+    step, logical, _ = checkpoint_lib.Checkpointer(workdir, keep=3).restore(
+        exp.abstract_logical_state()
+    )
+    assert step == 20
+    state = exp.from_logical(step_lib.TrainState(**logical))
+    assert state.params is not None
+    for leaf, sharding in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(exp.state_shardings.params), strict=True
+    ):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    assert_trees_equal(logical_params(exp, state), final)
+
+
+def test_restore_from_none_into_wus(data_dir, tmp_path):
+    config = tiny(data_dir, num_train_steps=10, **{"optimizer.update_sharding": "none"})
+    state = train_lib.train(config, str(tmp_path))
+    expected = logical_params(experiment.build(config), state)
+    exp = experiment.build(tiny(data_dir))
+    _, logical, _ = checkpoint_lib.Checkpointer(str(tmp_path), keep=3).restore(
+        exp.abstract_logical_state()
+    )
+    assert_trees_equal(
+        logical_params(exp, exp.from_logical(step_lib.TrainState(**logical))), expected
+    )
+
+
+def test_shape_mismatch_names_the_parameter(data_dir, saved_run):
+    workdir, _ = saved_run
+    exp = experiment.build(tiny(data_dir, **{"model.mlp_dim": 128}))
+    with pytest.raises(
+        checkpoint_lib.CheckpointMismatchError, match=r"mlp/wi/bias has shape \(256,\)"
+    ):
+        checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.abstract_logical_state())
+
+
+def test_corrupted_checkpoint_falls_back_then_errors(data_dir, saved_run, tmp_path, capsys):
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(saved_run[0], workdir)
+    exp = experiment.build(tiny(data_dir))
+    # Truncate every data file of the newest state.
+    for path in glob.glob(
+        os.path.join(workdir, "checkpoints", "20", "state", "**", "*"), recursive=True
+    ):
+        if os.path.isfile(path) and os.path.getsize(path) > 64:
+            with open(path, "r+b") as f:
+                f.truncate(16)
+    step, _, _ = checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.abstract_logical_state())
+    assert step == 10
+    assert "checkpoint 20 is unreadable" in capsys.readouterr().err
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "10", "state"))
+    with pytest.raises(checkpoint_lib.CheckpointError, match=r"none of the checkpoints \[10, 20\]"):
+        checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.abstract_logical_state())
+
+
+def _start(workdir, data_dir, *overrides):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
+         "--workdir", workdir, "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
+         "--config.num_train_steps=100000", "--config.steps_per_loop=5",
+         "--config.log_every_steps=5", "--config.eval_every_steps=0", *overrides],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for(proc, text, timeout=240):
+    deadline = time.time() + timeout
+    lines = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if text in line:
+            return lines
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"never saw {text!r}:\n{''.join(lines)[-3000:]}")
+
+
+def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
+    proc = _start(str(tmp_path), data_dir, "--config.checkpoint_every_steps=0")
+    _wait_for(proc, "step      10/")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert "preempted: saved step" in out
+    steps = checkpoint_lib.Checkpointer(str(tmp_path), keep=3).steps()
+    assert len(steps) == 1 and steps[0] >= 10 and steps[0] % 5 == 0
+
+
+def test_sigkill_during_save_leaves_only_complete_checkpoints(data_dir, tmp_path):
+    proc = _start(str(tmp_path), data_dir, "--config.checkpoint_every_steps=5")
+    _wait_for(proc, "step      10/")
+    # Kill while a save is being written, if one can be caught in the act.
+    deadline = time.time() + 30
+    while time.time() < deadline and not glob.glob(str(tmp_path / "checkpoints" / "*tmp*")):
+        time.sleep(0.005)
+    proc.kill()
+    proc.communicate()
+    steps = checkpoint_lib.Checkpointer(str(tmp_path), keep=3).steps()
+    assert steps, "no complete checkpoint"
+    for step in steps:
+        assert os.path.exists(tmp_path / "checkpoints" / str(step) / "commit_success.txt")
+    exp = experiment.build(tiny(data_dir))
+    restored_step, _, _ = checkpoint_lib.Checkpointer(str(tmp_path), keep=3).restore(
+        exp.abstract_logical_state()
+    )
+    assert restored_step == steps[-1]
