@@ -34,6 +34,9 @@ _MEASURE_PEAK = flags.DEFINE_bool(
     "measure_peak", False, "Measure the devices' matmul peak and report MFU against it."
 )
 _PLAN = flags.DEFINE_bool("plan", True, "Print the per-parameter sharding plan.")
+_CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir", None, "Also time async vs sync checkpoint saves of each mode's state here."
+)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
 flags.mark_flags_as_required(["config"])
 
@@ -108,7 +111,41 @@ def bench_mode(config, mode: str, loop_lengths: list[int], loops: int, peak: flo
             }
             result |= figures
         result.setdefault("by_steps_per_loop", {})[str(k)] = figures
+    if _CHECKPOINT_DIR.value:
+        result["checkpoint"] = bench_checkpoint(exp, state, f"{_CHECKPOINT_DIR.value}/{mode}")
     return result
+
+
+def bench_checkpoint(exp, state, directory: str, repeats: int = 3) -> dict:
+    """Time the training loop is blocked by an async save vs a sync one, and the
+    bytes on disk vs the bytes of params + optimizer state."""
+    import os  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    from trainer import checkpoint  # noqa: PLC0415
+
+    with jax.set_mesh(exp.mesh):
+        logical = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())(state)
+    jax.block_until_ready(logical)
+    data_state = exp.task.train_data.get_state()
+    out = {}
+    for name, async_save in (("async", True), ("sync", False)):
+        ckpt = checkpoint.Checkpointer(os.path.join(directory, name), keep=1, async_save=async_save)
+        blocked = []
+        for step in range(1, repeats + 1):
+            start = time.perf_counter()
+            ckpt.save(step, logical, data_state, exp.config)
+            blocked.append(time.perf_counter() - start)
+            ckpt.wait()
+        ckpt.close()
+        out[f"{name}_blocking_s"] = statistics.median(blocked)
+    latest = os.path.join(directory, "sync", str(repeats), "state")
+    out["disk_bytes"] = sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(latest) for f in files
+    )
+    out["state_bytes"] = sum(x.nbytes for x in jax.tree.leaves((logical.params, logical.opt_state)))
+    return out
 
 
 def _mib(n: float) -> str:
@@ -128,6 +165,13 @@ def report(results: dict, peak: float, measured: bool) -> None:
         print(f"  temp bytes/device          {_mib(r['temp_bytes']):>14}")
         for kind, n in sorted(r["collective_bytes"].items()):
             print(f"  collective {kind:<22} {_mib(n):>14} per step per device")
+        if "checkpoint" in r:
+            c = r["checkpoint"]
+            a, s = c["async_blocking_s"], c["sync_blocking_s"]
+            print(
+                f"  checkpoint save blocks     async {a:.3f}s vs sync {s:.3f}s (x{a / s:.2f}); "
+                f"on disk {_mib(c['disk_bytes'])} for {_mib(c['state_bytes'])} of state"
+            )
         if _PLAN.value:
             print("  sharding plan:")
             for name, shape, layout in r["plan"]:

@@ -114,7 +114,8 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
-        return sorted(self._manager.all_steps(read=True))
+        self._manager.reload()  # another process may have written since
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, logical_state, data_state, config: ml_collections.ConfigDict):
         """Starts saving (returns before the write finishes if async)."""

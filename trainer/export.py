@@ -1,0 +1,73 @@
+"""``python -m trainer.export --workdir DIR [--step S] --out PATH [--dtype bfloat16]``.
+
+Writes only the model parameters of a training checkpoint, in their logical
+shapes, as a plain Orbax checkpoint: a nested dict of arrays that loads without
+this project's classes::
+
+    import orbax.checkpoint as ocp
+    params = ocp.StandardCheckpointer().restore("PATH")
+
+Only the ``params`` subtree is read (partial restore), not the optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+
+from trainer import cli
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_OUT = flags.DEFINE_string("out", None, "Directory to write the exported parameters to.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Exported dtype.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "float32") -> int:
+    """Exports the params of checkpoint ``step`` (default latest); returns the step."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    from trainer import checkpoint as checkpoint_lib  # noqa: PLC0415
+
+    steps = checkpoint_lib.Checkpointer(workdir, keep=1_000_000).steps()
+    if not steps:
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {workdir}/checkpoints")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise checkpoint_lib.CheckpointError(f"no checkpoint of step {step}; there are {steps}")
+    path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path).item_metadata.tree["params"]
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata)}
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+    restored = checkpointer.restore(
+        path,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+    )
+    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), restored["params"])
+    saver = ocp.StandardCheckpointer()
+    saver.save(os.path.abspath(out), params)
+    saver.wait_until_finished()
+    return step
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    from trainer import checkpoint as checkpoint_lib  # noqa: PLC0415
+
+    try:
+        step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
+    except checkpoint_lib.CheckpointError as e:
+        cli.fail(str(e), cli.EXIT_ERROR)
+    print(f"exported the {_DTYPE.value} params of step {step} to {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)
