@@ -66,14 +66,13 @@ def init_runtime(*, cpu_devices: int = 0) -> None:
 def clear_errors() -> Iterator[None]:
     """Reports the errors a user can cause as one line; anything else is a bug
     and keeps its traceback."""
-    from trainer import mesh, sharding, train  # noqa: PLC0415
+    from trainer import checkpoint, errors, train  # noqa: PLC0415
     from trainer.data import translation  # noqa: PLC0415
 
     user_errors = (
-        train.ConfigError,
+        errors.ConfigError,  # includes mesh and sharding-rule errors
         train.NonFiniteLossError,
-        mesh.MeshError,
-        sharding.ShardingRuleError,
+        checkpoint.CheckpointError,
         translation.DatasetNotPreparedError,
     )
     try:

@@ -24,11 +24,8 @@ from trainer import optimizers, update_sharding
 from trainer import sharding as sharding_lib
 from trainer import step as step_lib
 from trainer import tasks as tasks_lib
+from trainer.errors import ConfigError
 from trainer.shard_layout import LeafLayout
-
-
-class ConfigError(ValueError):
-    """The config asks for something that cannot run; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,11 +21,13 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from trainer.errors import ConfigError
+
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """The requested mesh does not fit the devices."""
 
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from trainer.errors import ConfigError
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "rsqrt", "cosine", "polynomial")
 
@@ -39,7 +41,7 @@ def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> op
             peak, config.end_learning_rate, config.power, max(num_train_steps - warmup, 1)
         )
     else:
-        raise ValueError(f"optimizer.schedule must be one of {SCHEDULES}, got '{name}'")
+        raise ConfigError(f"optimizer.schedule must be one of {SCHEDULES}, got '{name}'")
     if warmup <= 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
@@ -90,7 +92,7 @@ def make_optimizer(
             momentum=config.momentum, nesterov=config.nesterov,
         )  # fmt: skip
     else:
-        raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got '{name}'")
+        raise ConfigError(f"optimizer.name must be one of {OPTIMIZERS}, got '{name}'")
     if config.clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
     return tx, lr

@@ -15,11 +15,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import mesh as mesh_lib
+from trainer.errors import ConfigError
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
-class ShardingRuleError(ValueError):
+class ShardingRuleError(ConfigError):
     """A logical axis has no rule, or a rule names a missing mesh axis."""
 
 

@@ -22,8 +22,7 @@ from trainer import checkpoint as checkpoint_lib
 from trainer import experiment as experiment_lib
 from trainer import metrics as metrics_lib
 from trainer import step as step_lib
-
-ConfigError = experiment_lib.ConfigError
+from trainer.errors import ConfigError
 
 
 class NonFiniteLossError(RuntimeError):

@@ -36,6 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import mesh as mesh_lib
+from trainer.errors import ConfigError
 from trainer.shard_layout import LeafLayout, choose_layout
 
 MODES = ("none", "wus", "fsdp")
@@ -269,7 +270,7 @@ def make_plan(
       reduce_dtype: dtype of the gradient reduction.
     """
     if mode not in MODES:
-        raise ValueError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
+        raise ConfigError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
     shards = mesh.shape[mesh_lib.DATA_AXIS] if mode != "none" else 1
     layouts = jax.tree.map(
         lambda p, s: choose_layout(tuple(p.shape), s, shards, min_shard_bytes),

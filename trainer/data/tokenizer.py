@@ -15,6 +15,8 @@ from typing import Protocol
 
 import sentencepiece as spm
 
+from trainer.errors import ConfigError
+
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
@@ -75,7 +77,7 @@ class SentencePieceVocab:
             self._processor.bos_id(),
         )
         if ids != (PAD_ID, EOS_ID, UNK_ID, -1):
-            raise ValueError(
+            raise ConfigError(
                 f"SentencePiece model {source} has (pad, eos, unk, bos) ids {ids}; this "
                 f"pipeline needs ({PAD_ID}, {EOS_ID}, {UNK_ID}, -1). Delete it to retrain."
             )
@@ -154,7 +156,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, description: s
             minloglevel=2,
         )
     except RuntimeError as e:
-        raise ValueError(
+        raise ConfigError(
             f"Could not train a {vocab_size}-piece SentencePiece model on {description}: {e}"
         ) from e
     return model.getvalue()
@@ -207,7 +209,7 @@ def load_or_train_sentencepiece(
     with open(vocab_path, "rb") as f:
         vocab = SentencePieceVocab(f.read(), source=vocab_path)
     if vocab.vocab_size > vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"SentencePiece model {vocab_path} has {vocab.vocab_size} pieces but the config "
             f"says vocab_size={vocab_size}; ids would overflow the embedding. Fix vocab_size "
             "or vocab_path."

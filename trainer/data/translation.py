@@ -42,6 +42,7 @@ from trainer.data.tokenizer import (
     Vocab,
     load_or_train_sentencepiece,
 )
+from trainer.errors import ConfigError
 
 _logger = logging.getLogger(__name__)
 
@@ -170,13 +171,13 @@ def _parse_options(
         if key in config:
             return config[key]
         if default is KeyError:
-            raise ValueError(f"The data config has no '{key}' key.")
+            raise ConfigError(f"The data config has no '{key}' key.")
         return default
 
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"Bad process_index={process_index} / process_count={process_count}.")
+        raise ConfigError(f"Bad process_index={process_index} / process_count={process_count}.")
     if global_batch_size % process_count:
-        raise ValueError(
+        raise ConfigError(
             f"global_batch_size={global_batch_size} must divide by process_count={process_count}."
         )
     name = get("name")
@@ -203,14 +204,14 @@ def _parse_options(
     )
     languages = {opts.source_lang, opts.target_lang}
     if not synthetic and (len(languages) != 2 or not languages <= set(_LANGUAGES)):
-        raise ValueError(
+        raise ConfigError(
             f"source_lang/target_lang must be two of {_LANGUAGES}, got "
             f"{opts.source_lang!r}/{opts.target_lang!r}."
         )
     if opts.max_length < 2:
-        raise ValueError(f"max_length={opts.max_length} leaves no room for a token and EOS.")
+        raise ConfigError(f"max_length={opts.max_length} leaves no room for a token and EOS.")
     if opts.vocab_size <= FIRST_REGULAR_ID:
-        raise ValueError(f"vocab_size={opts.vocab_size} leaves no regular ids.")
+        raise ConfigError(f"vocab_size={opts.vocab_size} leaves no regular ids.")
     return opts
 
 
@@ -314,13 +315,13 @@ def _train_iterator(
 ) -> grain.DatasetIterator:
     shard = grain.MapDataset.source(source)[opts.process_index :: opts.process_count]
     if len(shard) == 0:
-        raise ValueError(
+        raise ConfigError(
             f"Split '{opts.train_split}' of {opts.name} has {len(source)} examples, none for "
             f"process {opts.process_index} of {opts.process_count}."
         )
     probe = [tokenize(shard[i]) for i in range(min(len(shard), _LENGTH_PROBE_EXAMPLES))]
     if not any(_fits(example, opts.max_length) for example in probe):
-        raise ValueError(
+        raise ConfigError(
             f"No {opts.name} training pair among the first {len(probe)} fits "
             f"max_length={opts.max_length}; raise max_length."
         )

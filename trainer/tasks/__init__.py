@@ -13,6 +13,8 @@ from typing import Any
 import flax.linen as nn
 import ml_collections
 
+from trainer.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -58,5 +60,5 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     builders = {"transformer": translation.make_task}
     name = config.model.name
     if name not in builders:
-        raise ValueError(f"model.name must be one of {sorted(builders)}, got '{name}'")
+        raise ConfigError(f"model.name must be one of {sorted(builders)}, got '{name}'")
     return builders[name](config, process_index=process_index, process_count=process_count)

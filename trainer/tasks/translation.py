@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 from models import decode as decode_lib
 from models import transformer
 from trainer.data import translation as data_lib
+from trainer.errors import ConfigError
 from trainer.tasks import Task
 
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig))
@@ -25,7 +26,7 @@ def model_config(config: ml_collections.ConfigDict) -> transformer.TransformerCo
     fields = {k: v for k, v in config.model.items() if k != "name"}
     unknown = sorted(set(fields) - set(_MODEL_KEYS))
     if unknown:
-        raise ValueError(f"config.model has keys the Transformer does not take: {unknown}")
+        raise ConfigError(f"config.model has keys the Transformer does not take: {unknown}")
     fields["dtype"] = jnp.dtype(fields.get("dtype", "bfloat16"))
     return transformer.TransformerConfig(**fields)
 
@@ -53,7 +54,7 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     )
     cfg = model_config(config)
     if data.vocab.vocab_size > cfg.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"the data's vocabulary has {data.vocab.vocab_size} ids but model.vocab_size="
             f"{cfg.vocab_size}"
         )
