@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from models.losses import cross_entropy_and_metrics
 from models.transformer import (
     SIZES,
     Transformer,
     TransformerConfig,
     greedy_decode,
-    loss_and_metrics,
     param_count,
     train_flops_per_example,
 )
@@ -272,7 +272,7 @@ def test_bfloat16_params(bf16_model):
     def grad(p):
         def loss(p):
             logits = model.apply({"params": p}, inputs, targets)
-            return loss_and_metrics(logits, targets, label_smoothing=0.1)[0], logits
+            return cross_entropy_and_metrics(logits, targets, label_smoothing=0.1)[0], logits
 
         return jax.grad(loss, has_aux=True)(p)
 
@@ -285,7 +285,7 @@ def test_bfloat16_params(bf16_model):
     assert all(bool(jnp.any(g != 0)) for g in grads)
 
 
-def test_loss_and_metrics():
+def test_cross_entropy_and_metrics():
     targets = jnp.array([[5, 2, 7, 0], [3, 3, 0, 0]])  # 5 real tokens
     weight = 5.0
     onehot = jax.nn.one_hot(targets, VOCAB)
@@ -293,21 +293,21 @@ def test_loss_and_metrics():
     ls = 0.1
     low = ls / (VOCAB - 1)
     entropy = -(0.9 * math.log(0.9) + (VOCAB - 1) * low * math.log(low))
-    loss, m = loss_and_metrics(jnp.zeros((2, 4, VOCAB)), targets, label_smoothing=ls)
+    loss, m = cross_entropy_and_metrics(jnp.zeros((2, 4, VOCAB)), targets, label_smoothing=ls)
     assert m["weight"] == weight
     np.testing.assert_allclose(m["nll"], weight * math.log(VOCAB), rtol=1e-6)
     np.testing.assert_allclose(loss, weight * (math.log(VOCAB) - entropy), rtol=1e-5)
     assert loss == m["loss"]
     # Predicting exactly the smoothed target costs nothing.
     smoothed = onehot * 0.9 + (1 - onehot) * low
-    loss, m = loss_and_metrics(jnp.log(smoothed), targets, label_smoothing=ls)
+    loss, m = cross_entropy_and_metrics(jnp.log(smoothed), targets, label_smoothing=ls)
     np.testing.assert_allclose(loss, 0.0, atol=1e-4)
     np.testing.assert_allclose(m["nll"], -weight * math.log(0.9), rtol=1e-5)
     assert m["accuracy"] == weight
     # Unsmoothed, explicit weights; one of the real tokens predicted wrong.
     logits = 50.0 * onehot.at[0, 1].set(jax.nn.one_hot(9, VOCAB))
     weights = jnp.array([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    loss, m = loss_and_metrics(logits, targets, weights, label_smoothing=0.0)
+    loss, m = cross_entropy_and_metrics(logits, targets, weights, label_smoothing=0.0)
     assert m["weight"] == 3.0 and m["accuracy"] == 2.0
     np.testing.assert_allclose(loss, 50.0, rtol=1e-4)  # the one wrong token costs ~50 nats
     np.testing.assert_allclose(m["nll"], loss)

@@ -13,7 +13,7 @@ import sacrebleu
 from jax.experimental import multihost_utils
 
 from models import decode as decode_lib
-from models import transformer
+from models import losses, transformer
 from trainer.data import translation as data_lib
 from trainer.errors import ConfigError
 from trainer.tasks import Task
@@ -87,7 +87,7 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
             rngs={"dropout": rng} if train else {},
         )
         weights = (batch["targets"] > 0).astype(jnp.float32)
-        loss, sums = transformer.loss_and_metrics(
+        loss, sums = losses.cross_entropy_and_metrics(
             logits, batch["targets"], weights, label_smoothing
         )
         return loss, (sums, {})
