@@ -140,7 +140,7 @@ def bench_checkpoint(exp, state, directory: str, repeats: int = 3) -> dict:
             ckpt.wait()
         ckpt.close()
         out[f"{name}_blocking_s"] = statistics.median(blocked)
-    latest = os.path.join(directory, "sync", str(repeats), "state")
+    latest = os.path.join(directory, "sync", "checkpoints", str(repeats), "state")
     out["disk_bytes"] = sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(latest) for f in files
     )
