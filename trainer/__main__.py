@@ -18,6 +18,15 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and check
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "Expose this many CPU devices (CPU-only hosts; for trying sharding)."
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, for multi-process runs that no "
+    "scheduler describes (TPU pods and SLURM are detected automatically)."
+)  # fmt: skip
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "Seconds after which a silent process is taken for dead."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -26,7 +35,13 @@ def main(argv: list[str]) -> None:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     # Library INFO lines (TFDS, Orbax) would drown the progress lines.
     logging.set_verbosity(logging.WARNING)
-    cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
+    cli.init_runtime(
+        cpu_devices=_CPU_DEVICES.value,
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value,
+        heartbeat_timeout_s=_HEARTBEAT.value,
+    )
     from trainer import train  # noqa: PLC0415  (after the runtime is configured)
 
     with cli.clear_errors():

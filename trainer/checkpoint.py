@@ -46,12 +46,13 @@ class DataStateHandler(ocp.CheckpointHandler):
         self._file(directory).write_text(json.dumps(args.state))
 
     def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> Any:
+        """This process's saved position, or None if the checkpoint was written
+        by a different number of processes (positions are per process share)."""
         path = self._file(directory)
         if not path.exists():
-            raise CheckpointError(
-                f"{path} is missing: the checkpoint was written by a different number of "
-                f"processes, so the input position of this process is unknown"
-            )
+            if not list(directory.glob("process_*-of-*.json")):
+                raise CheckpointError(f"{directory} holds no input positions")
+            return None
         return json.loads(path.read_text())
 
     def metadata(self, directory: epath.Path) -> None:

@@ -48,11 +48,35 @@ def parse_flags(argv: list[str]) -> list[str]:
     return []
 
 
-def init_runtime(*, cpu_devices: int = 0) -> None:
+def _cluster_detected() -> bool:
+    """Whether a scheduler started this process as one of several (JAX then
+    finds the coordinator itself: TPU pod metadata, SLURM variables)."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hosts.split(",") if h]) > 1
+
+
+def init_runtime(
+    *,
+    cpu_devices: int = 0,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_s: int = 100,
+) -> None:
     """Configures JAX before the first device is touched.
+
+    Starts JAX's multi-controller runtime when this is one process of several:
+    with the explicit coordinator flags, or auto-detected on TPU pods and SLURM.
 
     Args:
       cpu_devices: if > 0, expose this many CPU devices (CPU-only hosts).
+      coordinator_address: ``host:port`` of process 0's coordinator service.
+      num_processes: number of processes in the job.
+      process_id: this process's index.
+      heartbeat_timeout_s: a process silent this long is taken for dead, and
+        the others fail instead of waiting forever.
     """
     import jax  # noqa: PLC0415  (import here so flags are parsed first)
 
@@ -60,6 +84,17 @@ def init_runtime(*, cpu_devices: int = 0) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    explicit = coordinator_address is not None
+    if explicit and (num_processes is None or process_id is None):
+        fail("--coordinator_address needs --num_processes and --process_id")
+    if explicit or _cluster_detected():
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            initialization_timeout=max(heartbeat_timeout_s, 60),
+        )
 
 
 @contextlib.contextmanager

@@ -70,8 +70,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
     else:
         saved_step, logical, data_state = restored
         state = exp.from_logical(step_lib.TrainState(**logical))
-        task.train_data.set_state(data_state)
         writer.info(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
+        if data_state is None:
+            # Each process reads its own share, so a position saved by another
+            # number of processes has no meaning here.
+            writer.info(
+                "warning: the checkpoint was written by a different number of processes; "
+                "the input pipeline starts from the beginning of its shuffle"
+            )
+        else:
+            task.train_data.set_state(data_state)
     preemption = _Preemption(checkpointer)
 
     def save(step: int, data_state) -> None:
