@@ -23,14 +23,13 @@ Preparation writes array_record files with TFDS's own writer, without
 TensorFlow (see `tiny_translation`, which uses the same technique).
 """
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
+
+from trainer.data import prepare
 
 DATASET_NAME = "tiny_movielens"
 NUM_USERS = 1000
@@ -136,30 +135,5 @@ class TinyMovielens(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare_tiny_movielens(data_dir: str) -> None:
-    """Builds `tiny_movielens` as array_record files under `data_dir` if missing.
-
-    Idempotent and safe to call from several processes at once: each builds into
-    its own temporary directory and atomically renames it into place; a process
-    that loses the race discards its copy (the copies hold the same examples).
-
-    Args:
-      data_dir: The TFDS data directory (the dataset lands in
-        `<data_dir>/tiny_movielens/<version>`).
-    """
-    builder = TinyMovielens(data_dir=data_dir, file_format="array_record")
-    if builder.is_prepared():
-        return
-    final_dir = builder.data_path
-    os.makedirs(os.path.dirname(final_dir), exist_ok=True)
-    tmp_data_dir = tempfile.mkdtemp(prefix=f".{DATASET_NAME}-", dir=data_dir)
-    try:
-        tmp_builder = TinyMovielens(data_dir=tmp_data_dir, file_format="array_record")
-        tmp_builder.download_and_prepare(download_dir=os.path.join(tmp_data_dir, "downloads"))
-        try:
-            os.rename(tmp_builder.data_path, final_dir)
-        except OSError:
-            # Another process renamed its (equivalent) copy first.
-            if not TinyMovielens(data_dir=data_dir, file_format="array_record").is_prepared():
-                raise
-    finally:
-        shutil.rmtree(tmp_data_dir, ignore_errors=True)
+    """Builds `tiny_movielens` under `data_dir` if missing (see `prepare_locally`)."""
+    prepare.prepare_locally(TinyMovielens, data_dir)

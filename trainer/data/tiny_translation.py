@@ -23,14 +23,13 @@ need TensorFlow: TFDS serialises examples with its vendored `tf.train.Example`
 protos (`tensorflow_datasets.proto`) and writes them with `array_record`.
 """
 
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 
 import tensorflow_datasets as tfds
 from etils import epath
+
+from trainer.data import prepare
 
 DATASET_NAME = "tiny_translation"
 NUM_TRAIN = 20_000
@@ -218,30 +217,5 @@ class TinyTranslation(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare_tiny_translation(data_dir: str) -> None:
-    """Builds `tiny_translation` as array_record files under `data_dir` if missing.
-
-    Idempotent and safe to call from several processes at once: each builds into
-    its own temporary directory and atomically renames it into place; a process
-    that loses the race discards its copy (the copies hold the same examples).
-
-    Args:
-      data_dir: The TFDS data directory (the dataset lands in
-        `<data_dir>/tiny_translation/<version>`).
-    """
-    builder = TinyTranslation(data_dir=data_dir, file_format="array_record")
-    if builder.is_prepared():
-        return
-    final_dir = builder.data_path
-    os.makedirs(os.path.dirname(final_dir), exist_ok=True)
-    tmp_data_dir = tempfile.mkdtemp(prefix=f".{DATASET_NAME}-", dir=data_dir)
-    try:
-        tmp_builder = TinyTranslation(data_dir=tmp_data_dir, file_format="array_record")
-        tmp_builder.download_and_prepare(download_dir=os.path.join(tmp_data_dir, "downloads"))
-        try:
-            os.rename(tmp_builder.data_path, final_dir)
-        except OSError:
-            # Another process renamed its (equivalent) copy first.
-            if not TinyTranslation(data_dir=data_dir, file_format="array_record").is_prepared():
-                raise
-    finally:
-        shutil.rmtree(tmp_data_dir, ignore_errors=True)
+    """Builds `tiny_translation` under `data_dir` if missing (see `prepare_locally`)."""
+    prepare.prepare_locally(TinyTranslation, data_dir)
