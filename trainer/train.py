@@ -82,9 +82,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
             task.train_data.set_state(data_state)
     preemption = _Preemption(checkpointer)
 
-    def save(step: int, data_state) -> None:
+    to_logical = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())
+
+    def save(step: int, state: step_lib.TrainState, data_state) -> None:
         with jax.set_mesh(mesh):
-            logical_state = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())(state)
+            logical_state = to_logical(state)
         checkpointer.save(step, logical_state, data_state, config)
 
     # ------------------------------------------------------- compiled loop
@@ -169,7 +171,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
         every = config.checkpoint_every_steps
         stop = preemption.requested(step)
         if (every and step % every == 0) or step == total or stop:
-            save(step, data_state)
+            save(step, state, data_state)
         if stop:
             checkpointer.wait()
             writer.info(f"preempted: saved step {step} in {checkpointer.directory}; exiting")
