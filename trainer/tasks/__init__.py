@@ -55,9 +55,9 @@ class Task:
 
 def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
     """Builds the task named by ``config.model.name``."""
-    from trainer.tasks import translation  # noqa: PLC0415  (heavy imports, on demand)
+    from trainer.tasks import recommendation, translation  # noqa: PLC0415  (on demand)
 
-    builders = {"transformer": translation.make_task}
+    builders = {"transformer": translation.make_task, "ncf": recommendation.make_task}
     name = config.model.name
     if name not in builders:
         raise ConfigError(f"model.name must be one of {sorted(builders)}, got '{name}'")

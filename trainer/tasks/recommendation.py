@@ -1,0 +1,88 @@
+"""Implicit-feedback recommendation with NeuMF: binary cross entropy, HR@10, NDCG@10."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from models import ncf
+from trainer.data import movielens
+from trainer.tasks import Task
+
+
+def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
+    """The NCF task of ``config`` for this process."""
+    data = movielens.make_movielens_data(
+        config.data,
+        global_batch_size=config.global_batch_size,
+        seed=config.seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    cfg = ncf.NCFConfig(
+        num_users=data.num_users,
+        num_items=data.num_items,
+        mf_dim=config.model.mf_dim,
+        mlp_layers=tuple(config.model.mlp_layers),
+        dtype=jnp.dtype(config.model.dtype),
+    )
+    model = ncf.NCF(cfg)
+    init_batch = {
+        "users": np.zeros((1,), np.int32),
+        "items": np.zeros((1,), np.int32),
+        "labels": np.zeros((1,), np.float32),
+        "weights": np.ones((1,), np.float32),
+    }
+
+    def init_fn(rng, batch):
+        return model.init({"params": rng}, batch["users"], batch["items"])
+
+    def loss_fn(variables, batch, rng, train):
+        del rng  # NeuMF has no dropout
+        logits = model.apply(variables, batch["users"], batch["items"], train=train)
+        loss, sums = ncf.loss_and_metrics(logits, batch["labels"], batch["weights"])
+        return loss, (sums, {})
+
+    def weight_fn(batch):
+        return jnp.sum(batch["weights"])
+
+    @functools.cache
+    def ranking_sums():
+        def fn(params, users, items, weights):
+            # Score every (user, candidate) pair: [users, 1 + negatives].
+            pairs = jnp.broadcast_to(users[:, None], items.shape)
+            scores = model.apply({"params": params}, pairs.reshape(-1), items.reshape(-1))
+            hits, ndcg = ncf.hit_rate_and_ndcg(scores.reshape(items.shape), weights=weights)
+            return hits, ndcg, jnp.sum(weights)
+
+        return jax.jit(fn)
+
+    def ranking(variables, to_global, to_local) -> dict[str, float]:
+        del to_local  # the sums are global
+        totals = np.zeros(3)
+        for batch in data.eval_batches():
+            batch = to_global(batch)
+            sums = ranking_sums()(
+                variables["params"], batch["users"], batch["items"], batch["weights"]
+            )
+            totals += np.asarray(jax.device_get(sums), np.float64)
+        users = max(totals[2], 1.0)
+        return {"hr@10": totals[0] / users, "ndcg@10": totals[1] / users}
+
+    return Task(
+        model=model,
+        init_batch=init_batch,
+        train_data=data.train,
+        # Eval rows are users with ranked candidates, not training pairs: the
+        # ranking metrics below are the whole evaluation.
+        eval_batches=lambda: (),
+        loss_fn=loss_fn,
+        weight_fn=weight_fn,
+        init_fn=init_fn,
+        evaluate_extra=ranking,
+        flops_per_example=ncf.train_flops_per_example(cfg),
+    )
