@@ -24,7 +24,7 @@ import optax
 
 from trainer import mesh as mesh_lib
 from trainer import sharding as sharding_lib
-from trainer.tasks import Task
+from trainer.tasks import REPLICAS, Task
 from trainer.update_sharding import UpdateShardingPlan
 
 
@@ -83,6 +83,7 @@ def make_step_fns(
         grad_fn = jax.vmap(
             jax.value_and_grad(replica_loss, has_aux=True),
             in_axes=(None, None, 0, 0, None),
+            axis_name=REPLICAS,
             spmd_axis_name=data_axes,
         )
         with nn.logical_axis_rules(replica_rules):

@@ -15,6 +15,10 @@ import ml_collections
 
 from trainer.errors import ConfigError
 
+# The mapped axis over data replicas in the training step (a vmap axis name).
+# Models may reduce over it, e.g. BatchNorm statistics over the global batch.
+REPLICAS = "replicas"
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -55,9 +59,17 @@ class Task:
 
 def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
     """Builds the task named by ``config.model.name``."""
-    from trainer.tasks import recommendation, translation  # noqa: PLC0415  (on demand)
+    from trainer.tasks import (  # noqa: PLC0415  (heavy imports, on demand)
+        classification,
+        recommendation,
+        translation,
+    )
 
-    builders = {"transformer": translation.make_task, "ncf": recommendation.make_task}
+    builders = {
+        "transformer": translation.make_task,
+        "ncf": recommendation.make_task,
+        "resnet": classification.make_task,
+    }
     name = config.model.name
     if name not in builders:
         raise ConfigError(f"model.name must be one of {sorted(builders)}, got '{name}'")

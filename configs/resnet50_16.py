@@ -1,0 +1,79 @@
+"""ResNet-50 v1.5 on ImageNet with LARS: the 32-core row of Xu et al. 2020, Table 1.
+
+16 TPU-v3 chips (32 cores), global batch 4096, LARS (no weight decay or trust
+ratio on biases and BatchNorm parameters), polynomial decay after a linear
+warm-up, label smoothing 0.1, bf16 compute with f32 parameters, BatchNorm
+statistics over the whole data-parallel batch (``model.bn_group_size`` = G
+averages them within groups of G replicas, MLPerf's "BN span").
+
+Run (needs the prepared dataset: put the ImageNet tars in DIR/downloads/manual,
+then `tfds build imagenet2012 --file_format=array_record --data_dir=DIR`):
+
+  python -m trainer --config configs/resnet50_16.py --workdir /tmp/r50
+
+A laptop-sized variant (a tiny ResNet on the embedded synthetic images):
+
+  python -m trainer --config configs/resnet50_16.py:tiny --workdir /tmp/r50_tiny --cpu_devices 8
+
+The learning rates are starting points scaled from published large-batch LARS
+runs, not tuned here.
+"""
+
+import ml_collections
+
+from configs import common
+
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
+    config = common.base_config()
+    config.global_batch_size = 4096
+    epochs = 44
+    config.num_train_steps = epochs * IMAGENET_TRAIN_IMAGES // config.global_batch_size
+    config.steps_per_loop = 100
+    config.log_every_steps = 100
+    config.eval_every_steps = 4 * IMAGENET_TRAIN_IMAGES // config.global_batch_size // 100 * 100
+    config.checkpoint_every_steps = config.eval_every_steps
+    config.label_smoothing = 0.1
+    config.model = ml_collections.ConfigDict(
+        dict(name="resnet", size="resnet50", dtype="bfloat16", bn_group_size=0)
+    )
+    config.data = ml_collections.ConfigDict(
+        dict(
+            name="imagenet2012",
+            data_dir=ml_collections.FieldReference(None, field_type=str),
+            image_size=224,
+            eval_split="validation",
+            num_eval_examples=-1,
+        )
+    )
+    config.optimizer.update(
+        name="lars", learning_rate=9.0, schedule="polynomial", power=2.0,
+        warmup_steps=5 * IMAGENET_TRAIN_IMAGES // config.global_batch_size,
+        weight_decay=5e-5, momentum=0.9, trust_coefficient=0.001,
+    )  # fmt: skip
+    config.mesh.rules = (
+        ("batch", "data"),
+        ("height", None),
+        ("width", None),
+        ("channels", None),
+        ("channels_in", None),
+        ("conv_h", None),
+        ("conv_w", None),
+        ("classes", None),
+    )
+    if variant == "tiny":
+        config.model.size = "tiny"
+        config.global_batch_size = 128
+        config.num_train_steps = 200
+        config.steps_per_loop = 20
+        config.log_every_steps = 100
+        config.eval_every_steps = 200
+        config.checkpoint_every_steps = 200
+        config.data.update(name="tiny_images", image_size=32, num_eval_examples=-1)
+        config.optimizer.update(learning_rate=2.0, warmup_steps=30, min_shard_bytes=1024)
+    elif variant:
+        raise ValueError(f"unknown variant '{variant}' (expected tiny)")
+    return config

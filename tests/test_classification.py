@@ -1,0 +1,26 @@
+"""ResNet on the embedded synthetic images, end to end through the trainer."""
+
+import json
+
+import pytest
+
+from configs import resnet50_16, resnet50_1024
+from trainer import train as train_lib
+
+
+@pytest.mark.parametrize("module", [resnet50_16, resnet50_1024])
+def test_tiny_resnet_learns(tmp_path, module):
+    config = module.get_config("tiny")
+    config.data.data_dir = str(tmp_path / "tfds")
+    config.data.num_eval_examples = 128
+    config.update(global_batch_size=64, num_train_steps=120, log_every_steps=20,
+                  eval_every_steps=120, checkpoint_every_steps=0)  # fmt: skip
+    state = train_lib.train(config, str(tmp_path / "run"))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert rows[-1]["eval/accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert rows[-1]["eval/top5_accuracy"] >= rows[-1]["eval/accuracy"]
+    # BatchNorm statistics were trained and are kept in the train state.
+    stats = state.model_state["batch_stats"]["stem_bn"]["var"]
+    assert float(abs(stats - 1.0).max()) > 1e-3
