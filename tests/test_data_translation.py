@@ -359,7 +359,9 @@ def test_vocab_file_is_first_writer_wins(tmp_path):
 
 
 def test_bad_configs_fail_early(tiny_dir):
-    with pytest.raises(ValueError, match="divide"):
+    with pytest.raises(
+        ValueError, match="global_batch_size=9 must be a positive multiple of process_count=2"
+    ):
         _make(_config(tiny_dir), global_batch_size=9, process_count=2)
     config = _config(tiny_dir)
     del config["max_length"]

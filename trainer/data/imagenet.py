@@ -36,9 +36,8 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
-from tensorflow_datasets.core import constants as tfds_constants
 
-from trainer.data import tiny_images
+from trainer.data import options, tiny_images
 from trainer.data.translation import DatasetNotPreparedError
 from trainer.errors import ConfigError
 
@@ -151,32 +150,20 @@ def make_image_data(
 def _parse_options(
     config: Any, global_batch_size: int, seed: int, process_index: int, process_count: int
 ) -> _Options:
-    def get(key: str, default: Any = KeyError) -> Any:
-        if key in config:
-            return config[key]
-        if default is KeyError:
-            raise ConfigError(f"The data config has no '{key}' key.")
-        return default
-
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ConfigError(f"Bad process_index={process_index} / process_count={process_count}.")
-    if global_batch_size < process_count or global_batch_size % process_count:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} must be a positive multiple of "
-            f"process_count={process_count}."
-        )
+    get = options.config_getter(config)
+    local_batch = options.local_batch_size(global_batch_size, process_index, process_count)
     name = get("name")
     if name not in _DATASETS:
         raise ConfigError(f"Unknown image dataset '{name}'; expected one of {list(_DATASETS)}.")
     opts = _Options(
         name=name,
-        data_dir=os.path.expanduser(get("data_dir", None) or tfds_constants.DATA_DIR),
+        data_dir=options.data_dir(get("data_dir", None)),
         image_size=int(get("image_size", _DATASETS[name].default_image_size)),
         eval_split=get("eval_split", "validation"),
         num_eval_examples=int(get("num_eval_examples", -1)),
         prepare=bool(get("prepare", True)),
         read_threads=int(get("read_threads", _DEFAULT_READ_THREADS)),
-        local_batch=global_batch_size // process_count,
+        local_batch=local_batch,
         seed=seed % 2**32,  # grain seeds are uint32.
         process_index=process_index,
         process_count=process_count,

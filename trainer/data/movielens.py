@@ -34,17 +34,15 @@ prefetches on `read_threads` threads); 999 distinct eval negatives for 138k user
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
-from tensorflow_datasets.core import constants as tfds_constants
 from tensorflow_datasets.proto import tf_example_pb2
 
-from trainer.data import tiny_movielens
+from trainer.data import options, tiny_movielens
 from trainer.data.translation import DatasetNotPreparedError
 from trainer.errors import ConfigError
 
@@ -147,28 +145,16 @@ def make_movielens_data(
 def _parse_options(
     config: Any, global_batch_size: int, seed: int, process_index: int, process_count: int
 ) -> _Options:
-    def get(key: str, default: Any = KeyError) -> Any:
-        if key in config:
-            return config[key]
-        if default is KeyError:
-            raise ConfigError(f"The data config has no '{key}' key.")
-        return default
-
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ConfigError(f"Bad process_index={process_index} / process_count={process_count}.")
-    if global_batch_size < process_count or global_batch_size % process_count:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} must be a positive multiple of "
-            f"process_count={process_count}."
-        )
+    get = options.config_getter(config)
+    local_batch = options.local_batch_size(global_batch_size, process_index, process_count)
     opts = _Options(
         name=get("name"),
-        data_dir=os.path.expanduser(get("data_dir", None) or tfds_constants.DATA_DIR),
+        data_dir=options.data_dir(get("data_dir", None)),
         num_negatives=int(get("num_negatives")),
         num_eval_negatives=int(get("num_eval_negatives")),
         prepare=bool(get("prepare", True)),
         read_threads=int(get("read_threads", _DEFAULT_READ_THREADS)),
-        local_batch=global_batch_size // process_count,
+        local_batch=local_batch,
         seed=seed % 2**32,
         process_index=process_index,
         process_count=process_count,

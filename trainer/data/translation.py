@@ -32,9 +32,8 @@ from typing import Any
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
-from tensorflow_datasets.core import constants as tfds_constants
 
-from trainer.data import tiny_translation
+from trainer.data import options, tiny_translation
 from trainer.data.tokenizer import (
     EOS_ID,
     FIRST_REGULAR_ID,
@@ -167,24 +166,13 @@ def make_translation_data(
 def _parse_options(
     config: Any, global_batch_size: int, seed: int, process_index: int, process_count: int
 ) -> _Options:
-    def get(key: str, default: Any = KeyError) -> Any:
-        if key in config:
-            return config[key]
-        if default is KeyError:
-            raise ConfigError(f"The data config has no '{key}' key.")
-        return default
-
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ConfigError(f"Bad process_index={process_index} / process_count={process_count}.")
-    if global_batch_size % process_count:
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} must divide by process_count={process_count}."
-        )
+    get = options.config_getter(config)
+    local_batch = options.local_batch_size(global_batch_size, process_index, process_count)
     name = get("name")
     synthetic = name == SYNTHETIC
     opts = _Options(
         name=name,
-        data_dir=os.path.expanduser(get("data_dir", None) or tfds_constants.DATA_DIR),
+        data_dir=options.data_dir(get("data_dir", None)),
         source_lang=get("source_lang", "en") if synthetic else get("source_lang"),
         target_lang=get("target_lang", "de") if synthetic else get("target_lang"),
         vocab_path=get("vocab_path", None),
@@ -197,7 +185,7 @@ def _parse_options(
         prepare=bool(get("prepare", True)),
         read_threads=int(get("read_threads", _DEFAULT_READ_THREADS)),
         vocab_train_pairs=int(get("vocab_train_pairs", _DEFAULT_VOCAB_TRAIN_PAIRS)),
-        local_batch=global_batch_size // process_count,
+        local_batch=local_batch,
         seed=seed % 2**32,  # grain seeds are uint32.
         process_index=process_index,
         process_count=process_count,
