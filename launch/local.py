@@ -6,13 +6,24 @@
 Process i gets ``--coordinator_address 127.0.0.1:<free port> --num_processes P
 --process_id i --cpu_devices N/P``, so the P processes form one global mesh of
 N CPU devices (collectives over gloo). Their output is prefixed with ``[pI]``.
-If one process fails, the others are stopped and the launcher exits with the
-failed process's code; SIGTERM/SIGINT are passed on to every process.
+
+* If one process fails, the others are stopped and the launcher exits with the
+  failed process's code.
+* SIGTERM and SIGINT are passed on to every process, once each: the first asks
+  them to save and stop, a second Ctrl-C stops them now (trainer/signals.py).
+  Each process runs in its own process group, so a terminal's Ctrl-C reaches
+  the launcher only, not every process (and data worker) a second time.
+* The processes die with the launcher, whatever kills it: each gets SIGTERM
+  from the kernel when the launcher dies (Linux's parent-death signal; they
+  save and stop), and each process group (the trainer and its data workers)
+  is killed when the launcher exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -20,6 +31,8 @@ import subprocess
 import sys
 import threading
 import time
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def free_port() -> int:
@@ -35,6 +48,27 @@ def _pump(prefix: str, stream, out) -> None:
         out.flush()
 
 
+def _die_with(parent: int, libc) -> None:
+    """In the child before exec: SIGTERM when ``parent`` dies (even by SIGKILL)."""
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def check_arguments(num_processes: int, cpu_devices: int, grace_s: float) -> str | None:
+    """The one-line complaint about the launcher's arguments, or None."""
+    if num_processes < 1:
+        return f"--num_processes must be >= 1, got {num_processes}"
+    if cpu_devices < 1:
+        return f"--cpu_devices must be >= 1, got {cpu_devices}"
+    if cpu_devices % num_processes:
+        return f"--cpu_devices={cpu_devices} does not divide by --num_processes={num_processes}"
+    if grace_s < 0:
+        return f"--grace must be >= 0 seconds, got {grace_s}"
+    return None
+
+
 def launch(
     trainer_args: list[str],
     *,
@@ -44,12 +78,29 @@ def launch(
     module: str = "trainer",
 ) -> int:
     """Starts the processes and supervises them; returns the exit code."""
-    if cpu_devices % num_processes:
-        print(f"error: --cpu_devices={cpu_devices} does not divide by "
-              f"--num_processes={num_processes}", file=sys.stderr)  # fmt: skip
+    problem = check_arguments(num_processes, cpu_devices, grace_s)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
         return 2
+    procs: list[subprocess.Popen] = []
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        del frame
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    # Before any process starts: a signal from now on reaches them all.
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        libc = None
     address = f"127.0.0.1:{free_port()}"
-    procs = []
+    launcher = os.getpid()
     for i in range(num_processes):
         cmd = [
             sys.executable, "-m", module, *trainer_args,
@@ -58,34 +109,41 @@ def launch(
         ]  # fmt: skip
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # the device count comes from --cpu_devices
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        threading.Thread(
-            target=_pump, args=(f"[p{i}]", proc.stdout, sys.stdout), daemon=True
-        ).start()
-        procs.append(proc)
+        # Started before any thread of ours runs, so preexec_fn is safe here.
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                process_group=0, preexec_fn=lambda: _die_with(launcher, libc),
+            )
+        )  # fmt: skip
+    pumps = [
+        threading.Thread(target=_pump, args=(f"[p{i}]", p.stdout, sys.stdout), daemon=True)
+        for i, p in enumerate(procs)
+    ]
+    for pump in pumps:
+        pump.start()
+    try:
+        return _supervise(procs, forwarded, grace_s)
+    finally:
+        for p in procs:  # whatever a process left (its data workers), and stragglers
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for pump in pumps:
+            pump.join(timeout=5)
 
-    def forward(signum, frame):
-        del frame
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-
+def _supervise(procs: list[subprocess.Popen], forwarded: list[int], grace_s: float) -> int:
+    """Waits for the processes; stops the rest when one fails. Returns the exit code."""
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
         for i, p in enumerate(procs):
-            if p.poll() not in (None, 0):
+            if p.poll() not in (None, 0) and not forwarded:
                 failed = (i, p.returncode)
                 break
         time.sleep(0.2)
     if failed is None:
-        failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
-    if failed is None:
-        return 0
+        codes = [p.wait() for p in procs]
+        return next((c if c > 0 else 128 - c for c in codes if c), 0)
     index, code = failed
     print(f"[launch] process {index} exited with code {code}; stopping the others",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -101,8 +159,15 @@ def launch(
     return code if code > 0 else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, like the trainer's mistakes (argparse adds the usage)."""
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--num_processes", type=int, required=True)
     parser.add_argument("--cpu_devices", type=int, default=8, help="devices in all")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds before SIGKILL")

@@ -2,15 +2,16 @@
 # Run the trainer on every worker of a Cloud TPU VM pod slice (or several slices).
 #
 #   launch/tpu_pod.sh create  NAME ZONE ACCELERATOR [SLICES]   # e.g. v3-2048; SLICES>1: queued resource
-#   launch/tpu_pod.sh install NAME ZONE                        # copy this checkout, pip install it
+#   launch/tpu_pod.sh install NAME ZONE                        # copy this checkout, pip install -e '.[tpu]'
 #   launch/tpu_pod.sh run     NAME ZONE -- <trainer args>      # start on all workers, stream logs
 #   launch/tpu_pod.sh delete  NAME ZONE
 #
-# JAX finds the coordinator from the TPU metadata, so the trainer needs no
-# distributed flags. See launch/README.md for the gcloud commands spelled out.
+# install uses the [tpu] extra (jax[tpu] pinned to the project's jax). JAX finds
+# the workers (and slices) from the TPU VM metadata server, so the trainer needs
+# no distributed flags. See launch/README.md for the gcloud commands spelled out.
 set -euo pipefail
 
-usage() { sed -n '2,9p' "$0"; exit 2; }
+usage() { sed -n '2,7p' "$0"; exit 2; }
 [[ $# -ge 3 ]] || usage
 action=$1 name=$2 zone=$3
 shift 3
@@ -38,7 +39,7 @@ case "$action" in
     tar -C "$here" --exclude=.git --exclude=.venv -czf /tmp/wus-trainer.tgz .
     gcloud compute tpus tpu-vm scp /tmp/wus-trainer.tgz "$name":/tmp/ --zone="$zone" --worker=all
     ssh_all "mkdir -p ~/wus-trainer && tar -C ~/wus-trainer -xzf /tmp/wus-trainer.tgz && \
-      cd ~/wus-trainer && pip install -e . 'jax[tpu]==0.10.2'"
+      cd ~/wus-trainer && pip install -e '.[tpu]'"
     ;;
   run)
     [[ "${1:-}" == "--" ]] && shift

@@ -11,14 +11,31 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Synthetic rows are a function of their global index and each process takes
-# rows i::n, so the global batches - hence the losses - do not depend on n.
+# The input order is global (trainer/data/order.py): process p of n reads block p of
+# every global batch, so the global batches - hence the losses - do not depend on n.
 RUN = [
-    "--config", "configs/transformer_1024.py:tiny", "--config.data.name=synthetic",
-    "--config.num_train_steps=20", "--config.steps_per_loop=10", "--config.log_every_steps=10",
-    "--config.eval_every_steps=0", "--config.checkpoint_every_steps=10",
+    "--config", "configs/transformer_1024.py:tiny",
+    "--config.num_train_steps=24", "--config.steps_per_loop=12", "--config.log_every_steps=12",
+    "--config.eval_every_steps=0", "--config.checkpoint_every_steps=12",
     "--config.data.num_eval_examples=16", "--config.max_decode_length=4",
 ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """tiny_translation with its vocabulary and token lengths, prepared once."""
+    import ml_collections
+
+    from configs import transformer_1024
+    from trainer.data import translation
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    config = ml_collections.ConfigDict(transformer_1024.get_config("tiny").data.to_dict())
+    config.data_dir = path
+    translation.make_translation_data(
+        config, global_batch_size=8, seed=0, process_index=0, process_count=1
+    )
+    return path
 
 
 def _env():
@@ -27,16 +44,18 @@ def _env():
     return env
 
 
-def launch(workdir, processes, *extra, timeout=600):
+def launch(workdir, processes, data_dir, *extra, timeout=600):
     cmd = [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
-           "--cpu_devices=8", "--", *RUN, f"--workdir={workdir}", *extra]  # fmt: skip
+           "--cpu_devices=8", "--", *RUN, f"--workdir={workdir}",
+           f"--config.data.data_dir={data_dir}", *extra]  # fmt: skip
     return subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
-def single(workdir, *extra, timeout=600):
-    cmd = [sys.executable, "-m", "trainer", *RUN, f"--workdir={workdir}", "--cpu_devices=8", *extra]
+def single(workdir, data_dir, *extra, timeout=600):
+    cmd = [sys.executable, "-m", "trainer", *RUN, f"--workdir={workdir}", "--cpu_devices=8",
+           f"--config.data.data_dir={data_dir}", *extra]  # fmt: skip
     return subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -47,51 +66,61 @@ def losses(workdir):
         return {row["step"]: row["loss"] for row in map(json.loads, f)}
 
 
+def position(workdir, step):
+    with open(os.path.join(workdir, "checkpoints", str(step), "data", "position.json")) as f:
+        return json.load(f)
+
+
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
+def two_process_run(tmp_path_factory, data_dir):
     workdir = tmp_path_factory.mktemp("two")
-    result = launch(workdir, 2)
+    result = launch(workdir, 2, data_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return workdir, result.stdout
 
 
-def test_two_processes_match_one(two_process_run, tmp_path):
+def test_process_counts_give_the_same_losses(two_process_run, data_dir, tmp_path):
     workdir, out = two_process_run
-    assert "[p0] step      20/20" in out and "[p1] step" not in out  # only process 0 reports
-    result = single(tmp_path)
+    assert "[p0] step      24/24" in out and "[p1] step" not in out  # only process 0 reports
+    runs = {2: losses(workdir)}
+    result = single(tmp_path / "one", data_dir)
     assert result.returncode == 0, result.stderr[-3000:]
-    two, one = losses(workdir), losses(tmp_path)
-    assert sorted(two) == sorted(one) == [10, 20]
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-4), step
-    assert one[20] < one[10]
+    runs[1] = losses(tmp_path / "one")
+    result = launch(tmp_path / "four", 4, data_dir)
+    assert result.returncode == 0, result.stdout[-3000:]
+    runs[4] = losses(tmp_path / "four")
+    assert sorted(runs[1]) == sorted(runs[2]) == sorted(runs[4]) == [12, 24]
+    for processes in (2, 4):
+        for step in (12, 24):
+            assert runs[processes][step] == pytest.approx(runs[1][step], rel=1e-4), step
+    assert runs[1][24] < runs[1][12]
+    assert position(workdir, 24) == position(tmp_path / "one", 24) == {"global_batch": 24}
 
 
-@pytest.mark.parametrize("processes", [1, 4])
-def test_two_process_checkpoint_resumes_with_other_process_counts(
-    two_process_run, tmp_path, processes
-):
+def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(two_process_run[0], workdir)
-    extra = "--config.num_train_steps=30"
-    result = single(workdir, extra) if processes == 1 else launch(workdir, processes, extra)
+    shutil.rmtree(workdir / "checkpoints" / "24")  # Resume from step 12 of the 2-process run.
+    assert position(workdir, 12) == {"global_batch": 12}
+    result = single(workdir, data_dir)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    assert "resumed from the checkpoint of step 20" in out
-    assert "different number of processes" in out
-    assert max(losses(workdir)) == 30
+    assert "resumed from the checkpoint of step 12" in out
+    # Steps 13-24 on one process took exactly the batches the 2-process run took.
+    assert losses(workdir)[24] == pytest.approx(losses(two_process_run[0])[24], rel=1e-4)
 
 
 def test_killed_process_stops_the_job(tmp_path):
     cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--cpu_devices=8",
            "--grace=10", "--", *RUN, f"--workdir={tmp_path}", "--config.num_train_steps=100000",
+           "--config.data.name=synthetic", "--config.log_every_steps=12",
            "--heartbeat_timeout=10"]  # fmt: skip
     launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline:
         line = launcher.stdout.readline()
-        if "step      10/" in line:
+        if "step      12/" in line:
             break
     # Kill process 1 the hard way; find it by its unique command line.
     pids = subprocess.run(["pgrep", "-f", f"workdir={tmp_path}.*process_id=1"],
