@@ -1,0 +1,249 @@
+"""trainer.aot on a small TPU topology (v3:2x2, 8 cores), compiled by libtpu on CPU.
+
+The command runs once as a user runs it (a subprocess writing JSON); the tests
+read its report against references computed independently: parameter bytes
+from the model's shapes and the plan's layouts, HBM from XLA's memory analysis.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import transformer_1024
+from trainer import aot_analysis, experiment
+from trainer.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOPOLOGY = "v3:2x2"
+
+
+@pytest.fixture(scope="module")
+def devices():
+    try:
+        return aot_analysis.topology_devices(TOPOLOGY)
+    except ConfigError as e:
+        if "needs libtpu" in str(e):
+            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
+        raise
+
+
+def tiny_config(**overrides):
+    config = transformer_1024.get_config("tiny")
+    config.steps_per_loop = 2
+    for key, value in overrides.items():
+        node = config
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def report(devices, tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    cmd = [
+        sys.executable, "-m", "trainer.aot", "--config", "configs/transformer_1024.py:tiny",
+        "--topology", TOPOLOGY, "--modes", "none,wus,fsdp", "--json", str(out),
+        "--config.steps_per_loop=2",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f), run.stdout
+
+
+def test_json_schema(report):
+    results, _ = report
+    assert set(results) == {"none", "wus", "fsdp"}
+    for r in results.values():
+        for key, kind in (
+            ("hbm_bytes_per_core", int), ("hbm_capacity_bytes", float), ("fits", bool),
+            ("flops_per_step", float), ("xla_optimal_seconds", float), ("compile_s", float),
+        ):  # fmt: skip
+            assert isinstance(r[key], kind), key
+        assert set(r["est_step_time_s"]) == {"overlap", "no_overlap"}
+        assert r["collectives"]
+        for c in r["collectives"]:
+            assert {"kind", "dtype", "bytes", "group_size", "async"} <= set(c)
+        assert r["hbm_capacity_bytes"] == 16 * 2**30  # a v3 core: half a 32 GiB chip
+        assert r["fits"]
+        assert r["flops_per_step"] > 0
+        h = r["hbm_breakdown"]
+        total = h["argument"] + h["output"] - h["alias"] + h["temp"] + h["generated_code"]
+        assert r["hbm_bytes_per_core"] == total
+
+
+def _layout_sizes(devices, **overrides):
+    """Elements of the wus plan: (stored sharded leaves incl. padding, unsharded leaves)."""
+    overrides = {f"optimizer.{k}": v for k, v in overrides.items()}
+    exp = experiment.build(tiny_config(**overrides), devices=devices, with_data=False)
+    layouts = jax.tree.leaves(exp.plan.layouts, is_leaf=lambda x: hasattr(x, "sharded"))
+    sharded = sum(math.prod(lay.stored_shape) for lay in layouts if lay.sharded)
+    unsharded = sum(math.prod(lay.shape) for lay in layouts if not lay.sharded)
+    assert sharded and unsharded
+    assert sum(math.prod(lay.shape) for lay in layouts) == exp.num_params
+    return sharded, unsharded, exp.num_params
+
+
+def test_collectives_the_step_should_have(report, devices):
+    results, _ = report
+    sharded, unsharded, num_params = _layout_sizes(devices)
+    per_step = {m: [c for c in r["collectives"] if c["per_step"]] for m, r in results.items()}
+
+    def total(mode, kind, dtype):
+        return sum(c["bytes"] for c in per_step[mode] if (c["kind"], c["dtype"]) == (kind, dtype))
+
+    # Metric sums and the per-tensor partial sums of the gradient, parameter and
+    # update norms ride along in the combined f32 all-reduce: scalars.
+    slack = 1024
+    # none: every f32 gradient is all-reduced once; no weight moves.
+    assert 0 <= total("none", "all-reduce", "f32") - 4 * num_params <= slack
+    assert total("none", "all-gather", "bf16") == 0
+    # wus: the sharded weights are gathered in bf16 (their whole stored shape), and
+    # the v3 back end all-reduces the gradients in f32 instead of reduce-scattering
+    # them (reduce-scatter-decomposer): the padded stored leaves plus the rest.
+    assert total("wus", "all-gather", "bf16") == 2 * sharded
+    assert 0 <= total("wus", "all-reduce", "f32") - 4 * (sharded + unsharded) <= slack
+    assert not [c for c in per_step["wus"] if c["kind"] == "reduce-scatter"]
+    assert not [c for c in per_step["wus"] if c["dtype"] == "f32" and c["kind"] == "all-gather"]
+    for r in per_step.values():
+        assert all(c["group_size"] == 8 for c in r)
+
+
+def test_partial_sharding_gets_true_reduce_scatters(devices):
+    """Over groups of 4 (not the whole slice) the v3 back end runs real reduce-scatters
+    and all-gathers, then sums the shards across the 2 groups."""
+    sharded, _, _ = _layout_sizes(devices, shard_group_size=4)
+    r = aot_analysis.analyze(tiny_config(**{"optimizer.shard_group_size": 4}), devices, "wus")
+
+    def total(*key):
+        rows = [c for c in r["collectives"] if c["per_step"]]
+        return sum(c["bytes"] for c in rows if (c["kind"], c["dtype"], c["group_size"]) == key)
+
+    scatters = total("reduce-scatter", "f32", 4)
+    assert scatters > 0.5 * 4 * sharded  # most leaves; a leaf may still all-reduce
+    assert scatters + total("all-reduce", "f32", 4) == 4 * sharded
+    assert total("all-reduce", "f32", 2) == 4 * sharded // 4
+    assert total("all-gather", "bf16", 4) == 2 * sharded
+
+
+def test_memory_win_and_estimates(report):
+    results, stdout = report
+    none, wus = results["none"], results["wus"]
+    # Weights and Adam state live sharded: arguments shrink, whatever the temporaries.
+    assert wus["hbm_breakdown"]["argument"] < 0.5 * none["hbm_breakdown"]["argument"]
+    for r in results.values():
+        est = r["est_step_time_s"]
+        assert 0 < est["overlap"] <= est["no_overlap"]
+        assert est["overlap"] >= r["est_compute_s"] > 0
+        # Compute is XLA's per-instruction roofline: never below the whole-program one.
+        assert r["est_compute_s"] == r["xla_optimal_seconds"] >= 0.9 * r["roofline_seconds"]
+    assert "wus vs none: HBM/core x" in stdout
+    assert "estimated step time" in stdout
+
+
+def test_full_remat_lowers_hbm(devices):
+    # Activations must dominate: 3+3 layers, 8 rows of 32 tokens per core.
+    hbm = {}
+    for remat in ("none", "full"):
+        config = tiny_config(**{"model.remat": remat, "model.num_encoder_layers": 3,
+                                "model.num_decoder_layers": 3, "data.max_length": 32,
+                                "global_batch_size": 64})  # fmt: skip
+        hbm[remat] = aot_analysis.analyze(config, devices, "wus")["hbm_bytes_per_core"]
+    assert hbm["full"] < 0.95 * hbm["none"]  # 42.2 -> 38.0 MB when written
+
+
+def test_does_not_fit_is_reported(devices, capsys):
+    # 1.07e9 f32 embedding entries: 4 GiB of weights, 12 GiB with Adam, replicated,
+    # and an f32 gradient of 4 GiB. (Twice that puts 8 GiB in one buffer, which the
+    # v3 compiler refuses as an invalid program even with xla_tpu_no_crash_on_oom.)
+    config = tiny_config(**{"model.vocab_size": 1_048_576, "model.emb_dim": 1024,
+                            "model.qkv_dim": 1024, "model.num_heads": 4})  # fmt: skip
+    config.data.vocab_size = 1_048_576
+    result = aot_analysis.analyze(config, devices, "none")
+    assert not result["fits"]
+    assert result["hbm_bytes_per_core"] > 20 * 2**30
+    from trainer import aot
+
+    aot.report({"none": result})
+    over = (result["hbm_bytes_per_core"] - 16 * 2**30) / 2**30
+    assert f"does not fit by {over:.2f} GiB" in capsys.readouterr().out
+
+
+def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
+    config = tiny_config(**{"optimizer.update_sharding": "auto"})
+    seen = []
+
+    def fake_analyze(trial, devs):
+        opt = trial.optimizer
+        key = (opt.update_sharding, opt.shard_group_size, opt.min_shard_bytes)
+        seen.append(key)
+        # Faster as the group grows, but the fastest does not fit.
+        step = {"none": 5.0}.get(key[0], 4.0 - (key[1] or 8) / 8)
+        fits = key != ("wus", 0, 4096)
+        est = {"overlap": step, "no_overlap": step + (key[2] > 4096)}
+        return {"mode": key[0], "shard_group_size": key[1], "min_shard_bytes": key[2],
+                "fits": fits, "hbm_bytes_per_core": 1, "hbm_capacity_bytes": 2,
+                "est_step_time_s": est}  # fmt: skip
+
+    monkeypatch.setattr(aot_analysis, "analyze", fake_analyze)
+    chosen, rows, best = aot_analysis.choose_update_sharding(config, devices, log=lambda _: None)
+    # none, then wus/fsdp x groups {2, 4, all (0)} x thresholds {4096, 65536, 1 MiB}.
+    assert len(seen) == 1 + 2 * 3 * 3 and seen[0][0] == "none"
+    assert {k[1] for k in seen[1:]} == {2, 4, 0}
+    assert (chosen.optimizer.update_sharding, chosen.optimizer.shard_group_size) == ("fsdp", 0)
+    assert chosen.optimizer.min_shard_bytes == 4096
+    assert best["mode"] == "fsdp"
+
+    monkeypatch.setattr(
+        aot_analysis, "analyze",
+        lambda trial, devs: {**fake_analyze(trial, devs), "fits": False, "hbm_bytes_per_core": 3},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="no candidate fits"):
+        aot_analysis.choose_update_sharding(config, devices, log=lambda _: None)
+
+
+def test_auto_compiles_candidates_on_tpu_and_means_wus_on_cpu(devices):
+    config = tiny_config(**{"optimizer.update_sharding": "auto"})
+    config.optimizer.auto.update(modes=("wus",), shard_group_sizes=(8,), min_shard_bytes=(4096,))
+    lines = []
+    chosen, rows, best = aot_analysis.choose_update_sharding(config, devices, log=lines.append)
+    assert [r["mode"] for r in rows] == ["none", "wus"]
+    fastest = min(rows, key=lambda r: r["est_step_time_s"]["no_overlap"])
+    assert best is fastest and chosen.optimizer.update_sharding == fastest["mode"]
+    assert any("chose" in line for line in lines)
+
+    chosen, rows, best = aot_analysis.choose_update_sharding(
+        config, jax.devices(), log=lines.append
+    )
+    assert chosen.optimizer.update_sharding == "wus" and rows == [] and best is None
+    assert "no step-time model for cpu devices" in lines[-1]
+
+
+@pytest.mark.parametrize("name", ["configs/ncf_16.py", "configs/resnet50_16.py"])
+def test_tasks_build_without_data(name):
+    """The full configs build (shapes only) with no dataset prepared."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.global_batch_size = 8
+    exp = experiment.build(config, with_data=False)
+    assert exp.task.train_data is None
+    logical = jax.eval_shape(exp.plan.to_logical, exp.abstract_state.params)
+    leaves = {jax.tree_util.keystr(k): v for k, v in
+              jax.tree_util.tree_leaves_with_path(logical)}  # fmt: skip
+    if "ncf" in name:
+        rows = {k: v.shape[0] for k, v in leaves.items() if "user" in k or "item" in k}
+        assert sorted(set(rows.values())) == [26_744, 138_493] and len(rows) == 4
+    else:
+        assert any(np.prod(v.shape) == 2048 * 1000 for v in leaves.values())

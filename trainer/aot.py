@@ -1,0 +1,135 @@
+"""``python -m trainer.aot --config C --topology v3:32x32 [--modes none,wus,fsdp] [--json FILE]``.
+
+Compiles the training loop of config ``C`` ahead of time for a TPU topology
+this host does not have (libtpu's compiler runs on CPU: ``pip install -e
+'.[tpu]'``) and reports, per update-sharding mode, what a pod would see:
+
+* per-core HBM (arguments, outputs, temporaries, generated code, aliased)
+  against the chip's, and by how much it does not fit;
+* FLOPs and HBM bytes per step and XLA's own ``optimal_seconds``;
+* every collective of the optimized TPU program: kind, dtype, bytes, replica
+  group size, whether it is asynchronous, and the emitter the back end chose;
+* an estimated step time (see :mod:`trainer.costmodel` for its assumptions)
+  from full overlap to none.
+
+Nothing is allocated and no dataset is read (:mod:`trainer.aot_analysis`).
+The trainer's ``--config.x=y`` overrides apply; ``--modes auto`` shows the
+candidates ``optimizer.update_sharding=auto`` weighs and the one it picks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from trainer import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "TPU topology to compile for, e.g. v3:32x32, v4:4x4x4, v5e:16x16."
+)
+_MODES = flags.DEFINE_list(
+    "modes", ["none", "wus", "fsdp"], "Update-sharding modes to compile (or auto)."
+)
+_JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+flags.mark_flags_as_required(["config", "topology"])
+
+
+def _gib(n: float) -> float:
+    return n / 2**30
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def report(results: dict[str, dict]) -> None:
+    """Prints one section per mode, then the ratios against ``none``."""
+    for name, r in results.items():
+        h = r["hbm_breakdown"]
+        print(f"\n== {name} ({r['num_devices']} x {r['device_kind']}, K={r['steps_per_loop']}) ==")
+        print(f"  compile                    {r['compile_s']:10.1f} s")
+        for key in ("argument", "output", "temp", "generated_code", "alias"):
+            print(f"  HBM {key:<22} {_mib(h[key]):>16}")
+        total, cap = r["hbm_bytes_per_core"], r["hbm_capacity_bytes"]
+        verdict = "fits" if r["fits"] else f"does not fit by {_gib(total - cap):.2f} GiB"
+        print(f"  HBM per core               {_gib(total):10.3f} GiB of {_gib(cap):.2f}: {verdict}")
+        if r["compiler_oom"]:
+            print(f"  the TPU compiler: {r['compiler_oom']}")
+        print(f"  flops per step             {r['flops_per_step']:14.4e}")
+        print(f"  HBM bytes per step         {r['bytes_accessed_per_step']:14.4e}")
+        print(f"  XLA optimal_seconds        {r['xla_optimal_seconds'] * 1e3:10.3f} ms")
+        print(f"  whole-program roofline     {r['roofline_seconds'] * 1e3:10.3f} ms")
+        counts = Counter(
+            (c["kind"], c["dtype"], c["bytes"], c["group_size"], c["async"], c["emitter"])
+            for c in r["collectives"]
+            if c["per_step"]
+        )
+        print("  collectives per step (n x kind dtype bytes group async emitter):")
+        for (kind, dtype, size, group, is_async, emitter), n in sorted(
+            counts.items(), key=lambda kv: -kv[0][2] * kv[1]
+        ):
+            how = f"{'async' if is_async else 'sync':<5} {emitter}"
+            print(f"    {n:3d} x {kind:<18} {dtype:<5} {_mib(size):>14} {group:6d} {how}")
+        per_step = [c for c in r["collectives"] if c["per_step"]]
+        moved = sum(c["bytes"] for c in per_step)
+        wire = sum(c["wire_bytes"] for c in per_step)
+        coll_s = math.fsum(c["est_seconds_per_step"] for c in r["collectives"])
+        print(f"  collective buffer bytes    {_mib(moved):>16} per step")
+        print(f"  bytes each core sends      {_mib(wire):>16} per step (ring algorithms)")
+        est = r["est_step_time_s"]
+        lo, hi = est["overlap"] * 1e3, est["no_overlap"] * 1e3
+        print(
+            f"  estimated step time        {lo:8.2f} - {hi:.2f} ms (compute "
+            f"{r['est_compute_s'] * 1e3:.2f} ms, collectives {coll_s * 1e3:.2f} ms)"
+        )
+    if "none" in results:
+        base = results["none"]
+        for name, r in results.items():
+            if name == "none":
+                continue
+            hbm = r["hbm_bytes_per_core"] / base["hbm_bytes_per_core"]
+            moved = sum(c["wire_bytes"] for c in r["collectives"] if c["per_step"]) / max(
+                sum(c["wire_bytes"] for c in base["collectives"] if c["per_step"]), 1
+            )
+            lo = r["est_step_time_s"]["overlap"] / base["est_step_time_s"]["overlap"]
+            hi = r["est_step_time_s"]["no_overlap"] / base["est_step_time_s"]["no_overlap"]
+            print(
+                f"{name} vs none: HBM/core x{hbm:.3f}, bytes sent x{moved:.2f}, "
+                f"estimated step time x{lo:.2f} (overlap) .. x{hi:.2f} (no overlap)"
+            )
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    # The host only compiles: keep JAX's default backend on CPU.
+    cli.init_runtime(cpu_devices=1)
+    from trainer import aot_analysis  # noqa: PLC0415  (after the runtime is configured)
+
+    config = _CONFIG.value
+    results = {}
+    modes = aot_analysis.MODES
+    with cli.clear_errors():
+        devices = aot_analysis.topology_devices(_TOPOLOGY.value)
+        for mode in _MODES.value:
+            if mode == "auto":
+                print("update_sharding=auto candidates:")
+                _, _, results["auto"] = aot_analysis.choose_update_sharding(config, devices)
+            elif mode in modes:
+                results[mode] = aot_analysis.analyze(config, devices, mode)
+            else:
+                cli.fail(f"--modes: '{mode}' is not one of {(*modes, 'auto')}")
+    report(results)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,242 @@
+"""The run compiled ahead of time for TPU devices: HBM, collectives, estimated
+step time; and ``optimizer.update_sharding=auto``, which picks the mode from them.
+
+:func:`analyze` builds the run exactly as the trainer does (model, plan,
+optimizer, K-step loop, batch shapes from the config) but with abstract state
+and batches on the given devices, which may be those of a TPU topology this host
+only compiles for (libtpu's compiler runs on CPU). No dataset is opened and
+nothing is allocated. :mod:`trainer.aot` is its command line.
+
+Back-end facts that shape the reading (measured with libtpu 0.0.42.1, see the
+README): on TPU v2/v3/v4 a reduce-scatter over a whole slice is compiled to a
+full all-reduce plus a dynamic-slice, and an all-gather over a whole slice
+larger than 4x4 whose result is at most ~16 MiB to an all-reduce of a
+zero-filled buffer; over a sub-group (``optimizer.shard_group_size``) both stay
+true reduce-scatters and all-gathers unless tiny. The collectives listed and
+costed are those the TPU runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from trainer import costmodel, experiment, hardware, hlo
+from trainer import mesh as mesh_lib
+from trainer.errors import ConfigError
+
+MODES = ("none", "wus", "fsdp")
+
+
+def topology_devices(name: str) -> list:
+    """The devices of TPU topology ``name`` (e.g. ``v3:4x4``), compile-only.
+
+    Raises:
+      ConfigError: libtpu is missing, or the name is not a topology it knows.
+    """
+    # libtpu takes a machine-wide lock when it loads, meant for processes that drive
+    # the TPU chips; compiling drives none, so several compiling processes may share
+    # a host (and a test may compile in-process and in a subprocess).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies  # noqa: PLC0415
+
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu missing or a bad name: both reach here as errors
+        text = " ".join(str(e).split())
+        if "libtpu" in text.lower() or "unknown backend" in text.lower() or "plugin" in text:
+            raise ConfigError(
+                f"compiling for TPU topology '{name}' needs libtpu: pip install -e '.[tpu]' "
+                f"({text[:200]})"
+            ) from e
+        raise ConfigError(f"--topology {name}: {text[:300]}") from e
+
+
+def analyze(config, devices: list, mode: str | None = None) -> dict:
+    """Compiles the K-step training loop of ``config`` on ``devices`` and reports it.
+
+    Args:
+      config: the run config (not modified).
+      devices: devices of a TPU topology (or real TPU devices), in any order.
+      mode: update-sharding mode to use instead of the config's.
+
+    Returns:
+      The figures of this run (see the module docstring and the README schema).
+    """
+    config = config.copy_and_resolve_references()
+    if mode is not None:
+        config.optimizer.update_sharding = mode
+    accelerator = hardware.lookup(devices[0].device_kind)
+    if accelerator is None or not accelerator.ici_links_per_chip:
+        raise ConfigError(f"no TPU figures for device kind '{devices[0].device_kind}'")
+    exp = experiment.build(config, devices=devices, with_data=False)
+    k = config.steps_per_loop
+    start = time.perf_counter()
+    with jax.set_mesh(exp.mesh):
+        lowered = exp.jit_loop().lower(exp.abstract_state, exp.abstract_batches(k))
+    try:
+        compiled, oom = lowered.compile(), ""
+    except jax.errors.JaxRuntimeError as e:
+        if "Ran out of memory" not in str(e):
+            raise
+        # The TPU compiler refuses a program over its HBM limit; compile it again
+        # with the check off to learn how much it needs.
+        oom = " ".join(str(e).split())
+        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+    compile_s = time.perf_counter() - start
+
+    memory = compiled.memory_analysis()
+    hbm = {
+        "argument": int(memory.argument_size_in_bytes),
+        "output": int(memory.output_size_in_bytes),
+        "temp": int(memory.temp_size_in_bytes),
+        "generated_code": int(memory.generated_code_size_in_bytes),
+        "alias": int(memory.alias_size_in_bytes),
+    }
+    # Donated inputs alias their outputs: count those bytes once.
+    total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    mesh_devices = list(exp.mesh.devices.flat)
+    found = hlo.collectives(text, len(mesh_devices))
+    topo = costmodel.Topology.from_devices(accelerator, mesh_devices)
+    flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    xla_seconds = float(cost.get("optimal_seconds", 0.0))
+    estimate, seconds = costmodel.estimate_step(
+        compute_s=xla_seconds or costmodel.roofline_seconds(flops, bytes_accessed, accelerator),
+        collectives=found,
+        topo=topo,
+        steps_per_loop=k,
+        has_loop=" while(" in text,
+    )
+    capacity = accelerator.hbm_bytes
+    return {
+        "mode": exp.plan.mode,
+        "shard_group_size": config.optimizer.shard_group_size,
+        "min_shard_bytes": config.optimizer.min_shard_bytes,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(mesh_devices),
+        "steps_per_loop": k,
+        "hbm_bytes_per_core": total,
+        "hbm_breakdown": hbm,
+        "hbm_capacity_bytes": capacity,
+        "fits": total <= capacity and not oom,
+        "compiler_oom": oom,
+        "flops_per_step": flops,
+        "bytes_accessed_per_step": bytes_accessed,
+        "xla_optimal_seconds": xla_seconds,
+        "roofline_seconds": costmodel.roofline_seconds(flops, bytes_accessed, accelerator),
+        "collectives": [
+            {
+                "kind": c.kind,
+                "dtype": c.dtype,
+                "bytes": c.buffer_bytes,
+                "wire_bytes": c.wire_bytes,
+                "group_size": c.group_size,
+                "async": c.is_async,
+                "emitter": c.emitter,
+                "per_step": c.in_loop or " while(" not in text,
+                "est_seconds_per_step": s,
+            }
+            for c, s in zip(found, seconds, strict=True)
+        ],
+        "est_step_time_s": {"overlap": estimate.overlap_s, "no_overlap": estimate.no_overlap_s},
+        "est_compute_s": estimate.compute_s,
+        "compile_s": compile_s,
+    }
+
+
+def candidates(config, data_size: int) -> list[tuple[str, int, int]]:
+    """``(mode, shard_group_size, min_shard_bytes)`` for ``update_sharding=auto``:
+    ``none``, then ``wus`` and ``fsdp`` over the group sizes and thresholds of
+    ``config.optimizer.auto`` (no group sizes: every divisor > 1 of the data
+    axis; the full axis is written 0)."""
+    auto = config.optimizer.auto
+    divisors = [g for g in range(2, data_size + 1) if data_size % g == 0]
+    groups = list(auto.shard_group_sizes) or divisors
+    out = [("none", 0, config.optimizer.min_shard_bytes)]
+    for mode in auto.modes:
+        if mode == "none":
+            continue
+        for g in groups:
+            for threshold in auto.min_shard_bytes:
+                out.append((mode, 0 if g == data_size else g, threshold))
+    return out
+
+
+def choose_update_sharding(config, devices: list, log=print):
+    """Resolves ``optimizer.update_sharding=auto`` for ``devices``.
+
+    On TPU devices (real, or a topology's) every candidate of :func:`candidates`
+    is compiled and estimated; those that do not fit HBM are dropped and the
+    fastest estimate (no-overlap bound, then overlap bound) wins. Elsewhere
+    there is no trustworthy model and ``auto`` means ``wus``. Prints the
+    candidates as a table through ``log``.
+
+    Returns:
+      ``(config with the choice, rows, chosen row)``; each row a candidate's
+      figures as :func:`analyze` gives them (empty and None off TPU).
+    """
+    config = config.copy_and_resolve_references()
+    opt = config.optimizer
+    if devices[0].platform != "tpu":
+        log(
+            f"update_sharding=auto: no step-time model for {devices[0].platform} devices; "
+            f"using 'wus'"
+        )
+        opt.update_sharding = "wus"
+        return config, [], None
+    n = config.mesh.num_devices or len(devices)
+    mesh = mesh_lib.make_mesh(
+        config.mesh.axes.to_dict(), config.mesh.dcn_axes.to_dict(), devices=devices[:n]
+    )
+    rows = []
+    for mode, group, threshold in candidates(config, mesh.shape[mesh_lib.DATA_AXIS]):
+        trial = config.copy_and_resolve_references()
+        trial.optimizer.update(
+            update_sharding=mode, shard_group_size=group, min_shard_bytes=threshold
+        )
+        row = analyze(trial, devices)
+        rows.append(row)
+        log(_candidate_line(row))
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        least = min(rows, key=lambda r: r["hbm_bytes_per_core"])
+        raise ConfigError(
+            f"update_sharding=auto: no candidate fits the {_gib(least['hbm_capacity_bytes'])} "
+            f"GiB of HBM per core; the smallest needs {_gib(least['hbm_bytes_per_core'])} GiB"
+        )
+    best = min(
+        fitting,
+        key=lambda r: (r["est_step_time_s"]["no_overlap"], r["est_step_time_s"]["overlap"]),
+    )
+    opt.update(
+        update_sharding=best["mode"],
+        shard_group_size=best["shard_group_size"],
+        min_shard_bytes=best["min_shard_bytes"],
+    )
+    log(f"update_sharding=auto chose: {_candidate_name(best)}")
+    return config, rows, best
+
+
+def _candidate_name(r: dict) -> str:
+    if r["mode"] == "none":
+        return "none"
+    group = r["shard_group_size"] or "all"
+    return f"{r['mode']} (shard_group_size={group}, min_shard_bytes={r['min_shard_bytes']})"
+
+
+def _candidate_line(r: dict) -> str:
+    est = r["est_step_time_s"]
+    fits = "fits" if r["fits"] else "DOES NOT FIT"
+    return (
+        f"  {_candidate_name(r):<58} HBM {_gib(r['hbm_bytes_per_core']):7.2f} GiB {fits:<12} "
+        f"step {est['overlap'] * 1e3:8.2f} - {est['no_overlap'] * 1e3:8.2f} ms"
+    )
+
+
+def _gib(n: float) -> float:
+    return n / 2**30
