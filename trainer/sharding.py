@@ -71,10 +71,6 @@ def without_data_axes(rules: Rules, mesh: Mesh) -> Rules:
     return tuple((logical, strip(target)) for logical, target in rules)
 
 
-def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def param_specs(boxed_params, rules: Rules):
     """Mesh PartitionSpecs for a tree of flax-boxed (``nn.Partitioned``) params.
 
@@ -93,7 +89,7 @@ def param_specs(boxed_params, rules: Rules):
     known = {logical for logical, _ in rules}
 
     def one(path, leaf):
-        name = _path_str(path)
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
         if not isinstance(leaf, nn.Partitioned):
             raise ShardingRuleError(
                 f"parameter {name} has no logical axis names (create it with "
@@ -109,13 +105,6 @@ def param_specs(boxed_params, rules: Rules):
 
     return jax.tree_util.tree_map_with_path(
         one, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
-    )
-
-
-def named(mesh: Mesh, specs):
-    """NamedShardings for a tree of PartitionSpecs."""
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
 
 

@@ -1,38 +1,45 @@
-"""Weight-update sharding (Xu et al. 2020) as a layout plan and an optax transform.
+"""Weight-update sharding (Xu et al. 2020): a layout plan and its two collectives.
 
 In plain data parallelism every replica repeats the whole weight update. Here
 each data replica owns one shard of every (large enough) parameter:
 
-* the f32 master weights and the optimizer state are stored *sharded* over the
-  ``data`` mesh axis, and stay sharded across the steps of the compiled loop;
-* before the forward pass the weights are all-gathered in ``gather_dtype``
-  (bf16: half the bytes of f32), cast on the shard before the collective;
-* per-replica gradients are reduce-scattered (in ``reduce_dtype``, f32) into
-  the same shard layout, and the inner optax optimizer updates only the shard.
+* the master weights and the optimizer state are stored *sharded* over the
+  ``data`` mesh axis (layouts: :mod:`trainer.shard_layout`), and stay sharded
+  across the steps of the compiled loop;
+* :meth:`UpdateShardingPlan.gather` hands each replica the whole weights for
+  its forward pass: one all-gather per sharded weight, in bf16 for the weights
+  whose every consumer rounds them to bf16 anyway (:mod:`trainer.precision`)
+  and in their own dtype otherwise, so the model computes exactly what it would
+  on unsharded weights. It is a differentiable collective: its VJP is
+* :meth:`UpdateShardingPlan.reduce`, which sums the per-replica gradients in
+  ``reduce_dtype`` (f32) with one reduce-scatter per sharded weight, straight
+  into the stored layout (padding included: padded entries get zero);
+* :func:`trainer.update_transform.weight_update_sharding` runs any optax optimizer on the reduced,
+  stored-layout gradients; every param-shaped state leaf and every update is
+  constrained to its parameter's shard, so GSPMD runs the update on 1/N of
+  each tensor.
 
-Any shape can be sharded (paper section 4.1, "data formatting"): a dimension
-that divides by the shard count is used as it is; otherwise adjacent free
-dimensions are merged and the merged one is padded with zeros. Zero padding
-never changes a result: padded gradients are zero, so Adam/SGD/LAMB/LARS
-updates of padded entries stay zero, and the norms of LAMB/LARS trust ratios
-are the norms of the real tensor. Dimensions already sharded over ``model``
-keep that sharding and another dimension is sharded over ``data`` (MLPerf
-multipod paper, section 3.2).
+Modes (``optimizer.update_sharding``), all with the same dtype policy, so they
+differ only in where state lives and which collectives run:
 
-The three modes of ``optimizer.update_sharding`` are three plans over the same
-code: ``none`` stores everything replicated (classic all-reduce), ``wus``
-shards storage and gathers bf16 weights up front, ``fsdp`` shards storage and
-hands the sharded f32 weights to the model so XLA gathers them per use.
+* ``none``: everything replicated; the gradients are all-reduced in f32.
+* ``wus``: as above; the gathered weights live from the forward pass to the
+  backward pass of the step (gathered once per step, however many micro-batches).
+* ``fsdp``: ZeRO-3 as DeepSpeed/FSDP users know it: the same sharded storage,
+  but the gathered weights are not kept for the backward pass - they are
+  gathered again there (rematerialised), trading a third collective for the
+  memory of the whole weights.
+
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import mesh as mesh_lib
@@ -42,46 +49,46 @@ from trainer.shard_layout import LeafLayout, choose_layout
 MODES = ("none", "wus", "fsdp")
 
 
-def _is_layout(x) -> bool:
+def is_layout(x) -> bool:
+    """Whether ``x`` is a leaf of a plan's layout tree (for ``jax.tree`` calls)."""
     return isinstance(x, LeafLayout)
-
-
-def _path_key(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateShardingPlan:
-    """Per-parameter layouts plus the collectives that move between them.
+    """Per-parameter layouts and gather dtypes, plus the collectives between them.
 
     Attributes:
       mesh: the device mesh (with ``data`` and possibly ``replica`` axes).
       mode: one of :data:`MODES`.
       layouts: a tree of :class:`LeafLayout`, shaped like the params.
-      gather_dtype: dtype the weights are all-gathered in for the forward pass.
+      low_precision: a tree of bools: gather this parameter in ``gather_dtype``.
+      gather_dtype: dtype the low-precision weights are all-gathered in.
       reduce_dtype: dtype gradients are summed in.
     """
 
     mesh: Mesh
     mode: str
     layouts: Any
+    low_precision: Any
     gather_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
 
     def _map(self, fn, *trees):
-        return jax.tree.map(fn, self.layouts, *trees, is_leaf=_is_layout)
+        return jax.tree.map(fn, self.layouts, *trees, is_leaf=is_layout)
+
+    def _flat(self):
+        layouts, treedef = jax.tree.flatten(self.layouts, is_leaf=is_layout)
+        return layouts, treedef.flatten_up_to(self.low_precision), treedef
+
+    @property
+    def regather(self) -> bool:
+        """Whether the backward pass gathers the weights again (``fsdp``)."""
+        return self.mode == "fsdp"
 
     def stored_shardings(self):
         """NamedShardings of the stored (master) params."""
         return self._map(lambda lay: NamedSharding(self.mesh, lay.stored_spec()))
-
-    def abstract_stored(self, dtype=jnp.float32):
-        """ShapeDtypeStructs of the stored params, with shardings."""
-        return self._map(
-            lambda lay: jax.ShapeDtypeStruct(
-                lay.stored_shape, dtype, sharding=NamedSharding(self.mesh, lay.stored_spec())
-            )
-        )
 
     def to_stored(self, params):
         """Logical params -> stored layout, constrained to the stored shardings."""
@@ -96,85 +103,104 @@ class UpdateShardingPlan:
         """Stored params -> logical shapes (no cast)."""
         return self._map(lambda lay, x: lay.to_logical(x), stored)
 
-    def gather(self, stored):
-        """The weights the forward/backward pass sees.
+    def _replica_spec(self, lay: LeafLayout) -> PartitionSpec:
+        """``[replicas, *logical]`` with one replica's copy per data-parallel device."""
+        return PartitionSpec(mesh_lib.data_axes(self.mesh), *lay.logical_spec())
 
-        ``wus``: each shard is cast to ``gather_dtype`` and all-gathered in that
-        dtype. ``none``: a local cast of the replicated weights. ``fsdp``: the
-        sharded f32 weights, left for XLA to gather where they are used.
+    def gather(self, stored):
+        """The weights each data replica computes with: ``[replicas, *logical]``.
+
+        Dim 0 is split over the data axes, so each device holds its replica's
+        copy. Sharded weights are all-gathered - in ``gather_dtype`` where
+        ``low_precision`` says every consumer rounds them anyway - and come
+        back in their own dtype; replicated weights are passed on untouched.
+        Differentiable: the VJP is :meth:`reduce`.
+
+        Everything happens inside one ``shard_map`` (formatting included), so a
+        rematerialisation policy can tell the gathered weights apart by their
+        producer and gather them again rather than keep them (``fsdp``).
         """
-        if self.mode == "fsdp":
-            return self.to_logical(stored)
-        dtype = self.gather_dtype
+
+        @jax.custom_vjp
+        def gathered(stored):
+            return self._gather(stored)
+
+        def forward(stored):
+            return self._gather(stored), None
+
+        def backward(_, per_replica_grads):
+            return (self.reduce(per_replica_grads),)
+
+        gathered.defvjp(forward, backward)
+        return gathered(stored)
+
+    def _gather(self, stored):
+        layouts, low, treedef = self._flat()
 
         def body(*leaves):
             out = []
-            for lay, x in zip(flat_layouts, leaves, strict=True):
-                x = x.astype(dtype)
+            for lay, round_it, x in zip(layouts, low, leaves, strict=True):
+                dtype = x.dtype
                 if lay.sharded:
-                    x = jax.lax.all_gather(x, mesh_lib.DATA_AXIS, axis=lay.start, tiled=True)
-                out.append(x)
+                    if round_it:  # cast on the shard, so the collective moves bf16
+                        x = x.astype(self.gather_dtype)
+                    x = jax.lax.all_gather(x, mesh_lib.DATA_AXIS, axis=lay.dim, tiled=True)
+                out.append(lay.to_logical(x).astype(dtype)[None])
             return tuple(out)
 
-        flat_layouts, treedef = jax.tree.flatten(self.layouts, is_leaf=_is_layout)
-        leaves = treedef.flatten_up_to(stored)
         gathered = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=tuple(lay.stored_spec() for lay in flat_layouts),
-            out_specs=tuple(lay.stored_spec(gathered=True) for lay in flat_layouts),
+            in_specs=tuple(lay.stored_spec() for lay in layouts),
+            out_specs=tuple(self._replica_spec(lay) for lay in layouts),
             # A tiled all_gather's result is the same on every data replica, but
             # the varying-axes check cannot infer that.
             check_vma=False,
-        )(*leaves)
-        return self.to_logical(jax.tree.unflatten(treedef, gathered))
+        )(*treedef.flatten_up_to(stored))
+        return jax.tree.unflatten(treedef, gathered)
 
     def reduce(self, per_replica_grads):
         """Sums per-replica gradients into the stored layout.
 
         Args:
-          per_replica_grads: tree of ``[num_replicas, *logical_shape]`` arrays,
-            the leading dim sharded over the data axes (one row per replica).
+          per_replica_grads: tree of ``[replicas, *logical_shape]`` arrays, dim 0
+            split over the data axes (one row per replica).
 
         Returns:
-          The summed gradients in ``reduce_dtype`` and the stored layout:
-          reduce-scattered over ``data`` (then all-reduced over ``replica`` for
-          partial sharding) for sharded leaves, all-reduced otherwise.
+          The summed gradients in the stored layout and their own dtype, summed
+          in ``reduce_dtype``: reduce-scattered over ``data`` (then all-reduced
+          over ``replica`` for partial sharding) for sharded leaves, all-reduced
+          otherwise. Padding gets zeros.
         """
+        layouts, _, treedef = self._flat()
         data_axes = mesh_lib.data_axes(self.mesh)
-        flat_layouts, treedef = jax.tree.flatten(self.layouts, is_leaf=_is_layout)
-        leaves = [
-            lay.to_stored(g, batch_dims=1)
-            for lay, g in zip(flat_layouts, treedef.flatten_up_to(per_replica_grads), strict=True)
-        ]
-        dtype = self.reduce_dtype
+        partial = self.mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1
 
         def body(*leaves):
             out = []
-            for lay, g in zip(flat_layouts, leaves, strict=True):
-                g = g[0].astype(dtype)  # this replica's gradient
+            for lay, g in zip(layouts, leaves, strict=True):
+                dtype = g.dtype
+                g = lay.to_stored(g[0]).astype(self.reduce_dtype)  # this replica's gradient
                 if lay.sharded:
                     g = jax.lax.psum_scatter(
-                        g, mesh_lib.DATA_AXIS, scatter_dimension=lay.start, tiled=True
+                        g, mesh_lib.DATA_AXIS, scatter_dimension=lay.dim, tiled=True
                     )
-                    if self.mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1:
+                    if partial:
                         g = jax.lax.psum(g, mesh_lib.REPLICA_AXIS)
                 else:
                     g = jax.lax.psum(g, data_axes)
-                out.append(g)
+                out.append(g.astype(dtype))
             return tuple(out)
 
         reduced = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=tuple(
-                PartitionSpec(data_axes, *lay.stored_spec(gathered=True)) for lay in flat_layouts
-            ),
-            out_specs=tuple(lay.stored_spec() for lay in flat_layouts),
+            in_specs=tuple(self._replica_spec(lay) for lay in layouts),
+            out_specs=tuple(lay.stored_spec() for lay in layouts),
             # Without partial sharding the replica axis has size 1 and is not
             # reduced over (a psum there would still emit an all-reduce).
             check_vma=False,
-        )(*leaves)
+        )(*treedef.flatten_up_to(per_replica_grads))
         return jax.tree.unflatten(treedef, reduced)
 
     def map_state(self, fn, other, state, *, logical: bool = False):
@@ -183,21 +209,25 @@ class UpdateShardingPlan:
 
         A leaf is param-shaped when its path ends with a parameter's path and its
         shape is that parameter's stored shape (or logical shape, if
-        ``logical``): Adam's ``mu``/``nu``, momentum, ... Matching by path works
-        through ``optax.chain`` and ``optax.masked``.
+        ``logical``): Adam's ``mu``/``nu``, momentum, MultiSteps' accumulators.
+        Matching by path works through ``optax.chain`` and ``optax.masked``.
         """
-        by_path = {
-            _path_key(path): lay
-            for path, lay in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=_is_layout)
-        }
-        depths = sorted({len(k) for k in by_path}, reverse=True)
+        # Longest names first: "mlp/bias" before a top-level "bias".
+        by_path = sorted(
+            (
+                (jax.tree_util.keystr(path, simple=True, separator="/"), lay)
+                for path, lay in jax.tree_util.tree_leaves_with_path(
+                    self.layouts, is_leaf=is_layout
+                )
+            ),
+            key=lambda item: -len(item[0]),
+        )
 
         def one(path, leaf):
-            key = _path_key(path)
-            for depth in depths:
-                lay = by_path.get(key[len(key) - depth :]) if depth <= len(key) else None
-                shape = lay and (lay.shape if logical else lay.stored_shape)
-                if lay is not None and tuple(leaf.shape) == shape:
+            key = jax.tree_util.keystr(path, simple=True, separator="/")
+            for name, lay in by_path:
+                shape = lay.shape if logical else lay.stored_shape
+                if (key == name or key.endswith("/" + name)) and tuple(leaf.shape) == shape:
                     return fn(lay, leaf)
             return other(leaf)
 
@@ -213,9 +243,9 @@ class UpdateShardingPlan:
 
     def logical_sharding(self, lay: LeafLayout) -> NamedSharding:
         """Sharding of a parameter in its logical shape, for checkpoints: the
-        stored sharding where the layout only splits one dim, else model axes."""
-        spec = lay.stored_spec() if lay.stored_shape == lay.shape else PartitionSpec(*lay.spec)
-        return NamedSharding(self.mesh, spec)
+        stored sharding where the layout neither merges nor pads, else model axes."""
+        same = lay.stored_shape == lay.shape
+        return NamedSharding(self.mesh, lay.stored_spec() if same else lay.logical_spec())
 
     def state_to_logical(self, state):
         """Optimizer state in stored layout -> logical shapes (for checkpoints)."""
@@ -236,16 +266,26 @@ class UpdateShardingPlan:
         """Shardings of an optimizer state in logical shapes."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return self.map_state(
-            lambda lay, _: self.logical_sharding(lay), lambda _: replicated, logical_state,
+            lambda lay, _: self.logical_sharding(lay),
+            lambda _: replicated,
+            logical_state,
             logical=True,
-        )  # fmt: skip
+        )
 
     def table(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(name, logical shape, layout description) for every parameter."""
-        return [
-            ("/".join(_path_key(path)), lay.shape, lay.describe())
-            for path, lay in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=_is_layout)
-        ]
+        """(name, logical shape, layout and gather dtype) for every parameter."""
+        layouts, low, treedef = self._flat()
+        paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)]
+        rows = []
+        for path, lay, round_it in zip(paths, layouts, low, strict=True):
+            gather = (
+                f", gathered in {np.dtype(self.gather_dtype).name}"
+                if lay.sharded and round_it
+                else ""
+            )
+            rows.append((jax.tree_util.keystr(path, simple=True, separator="/"), lay.shape,
+                         lay.describe() + gather))  # fmt: skip
+        return rows
 
 
 def make_plan(
@@ -255,6 +295,8 @@ def make_plan(
     *,
     mode: str = "wus",
     min_shard_bytes: int = 65536,
+    max_shard_padding: float = 0.25,
+    low_precision=None,
     gather_dtype=jnp.bfloat16,
     reduce_dtype=jnp.float32,
 ) -> UpdateShardingPlan:
@@ -265,54 +307,35 @@ def make_plan(
       param_specs: matching tree of PartitionSpecs (model-parallel sharding).
       mesh: device mesh with a ``data`` axis.
       mode: ``none``, ``wus`` or ``fsdp``.
-      min_shard_bytes: f32 parameters smaller than this stay replicated.
-      gather_dtype: dtype of the weight all-gather (``wus``, ``none``).
+      min_shard_bytes: parameters with fewer bytes per device (after model
+        sharding) stay replicated.
+      max_shard_padding: the largest padding (fraction of the tensor) a layout may add.
+      low_precision: tree of bools, which parameters may be gathered in
+        ``gather_dtype`` (see :mod:`trainer.precision`); default: none.
+      gather_dtype: dtype of the low-precision weight all-gathers.
       reduce_dtype: dtype of the gradient reduction.
     """
     if mode not in MODES:
         raise ConfigError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
+    if max_shard_padding < 0:
+        raise ConfigError(f"optimizer.max_shard_padding must be >= 0, got {max_shard_padding}")
     shards = mesh.shape[mesh_lib.DATA_AXIS] if mode != "none" else 1
     layouts = jax.tree.map(
-        lambda p, s: choose_layout(tuple(p.shape), s, shards, min_shard_bytes),
+        lambda p, s: choose_layout(
+            tuple(p.shape),
+            s,
+            shards,
+            axis_sizes=dict(mesh.shape),
+            itemsize=np.dtype(p.dtype).itemsize,
+            min_shard_bytes=min_shard_bytes,
+            max_padding=max_shard_padding,
+        ),
         abstract_params,
         param_specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    return UpdateShardingPlan(mesh, mode, layouts, jnp.dtype(gather_dtype), jnp.dtype(reduce_dtype))
-
-
-class WeightUpdateShardingState(NamedTuple):
-    """State of :func:`weight_update_sharding`: the inner state, sharded."""
-
-    inner_state: optax.OptState
-
-
-def weight_update_sharding(
-    inner: optax.GradientTransformation, plan: UpdateShardingPlan
-) -> optax.GradientTransformation:
-    """Wraps an optax optimizer so its update runs on this replica's shard only.
-
-    ``init`` takes the master params in the plan's stored layout (see
-    :meth:`UpdateShardingPlan.to_stored`); the inner state is created with the
-    same layout. ``update`` takes *per-replica* gradients (``[replicas, ...]``,
-    logical shapes), reduce-scatters them into the stored layout and runs the
-    inner optimizer there; the returned updates are in the stored layout, for
-    ``optax.apply_updates(stored_params, updates)``. Transforms that must see
-    whole tensors (global-norm clipping, masks) belong inside ``inner``: padding
-    is zero, so norms are those of the real tensors, and masks given as trees
-    of booleans over the logical params keep their meaning.
-    """
-
-    def constrain(state):
-        return jax.tree.map(jax.lax.with_sharding_constraint, state, plan.state_shardings(state))
-
-    def init_fn(params):
-        return WeightUpdateShardingState(constrain(inner.init(params)))
-
-    def update_fn(updates, state, params=None):
-        grads = plan.reduce(updates)
-        updates, inner_state = inner.update(grads, state.inner_state, params)
-        updates = jax.tree.map(jax.lax.with_sharding_constraint, updates, plan.stored_shardings())
-        return updates, WeightUpdateShardingState(constrain(inner_state))
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    if low_precision is None:
+        low_precision = jax.tree.map(lambda _: False, abstract_params)
+    return UpdateShardingPlan(
+        mesh, mode, layouts, low_precision, jnp.dtype(gather_dtype), jnp.dtype(reduce_dtype)
+    )
