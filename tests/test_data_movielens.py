@@ -6,25 +6,22 @@ import json
 import os
 import sys
 
-import grain
 import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from tensorflow_datasets.proto import tf_example_pb2
 
 # Registers the MovieLens builder class, which `tfds.testing.mock_data` needs to fake the
 # dataset from code (real runs read prepared files without it).
 from tensorflow_datasets.structured import movielens  # noqa: F401
 
-from trainer.data import tiny_movielens
-from trainer.data.movielens import (
-    EVAL_KEYS,
-    TRAIN_KEYS,
-    DatasetNotPreparedError,
-    NegativeSampler,
-    make_movielens_data,
-)
-from trainer.errors import ConfigError
+from trainer.data import feed, local_movielens, ratings, tiny_movielens
+from trainer.data import movielens as pipeline
+from trainer.data.movielens import EVAL_KEYS, TRAIN_KEYS, make_movielens_data
+from trainer.data.negatives import NegativeSampler
+from trainer.data.source import DatasetNotPreparedError
+from trainer.errors import ConfigError, UserError
 
 ML20M = "movielens/20m-ratings"
 
@@ -33,6 +30,9 @@ def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
     config = {
         "name": "tiny_movielens",
         "data_dir": str(data_dir),
+        "train_split": "train",
+        "worker_count": 0,
+        "worker_buffer_size": 2,
         "num_negatives": 4,
         "num_eval_negatives": 99,
     }
@@ -212,41 +212,66 @@ def test_pipeline_is_deterministic(tiny_dir):
     assert not np.array_equal(evals[0][:, 1:], evals[2][:, 1:])  # other negatives.
 
 
-def test_processes_split_each_epoch_without_overlap(tiny_dir):
+def test_processes_take_blocks_of_one_global_order(tiny_dir):
     config = _config(tiny_dir)
-    single = _make(config, global_batch_size=4096)
-    epoch = single.train_examples_per_epoch
+    single = _make(config, global_batch_size=512).train
     shares = [
-        _rows(
-            _make(config, global_batch_size=512, process_index=i, process_count=2).train, epoch // 2
-        )
-        for i in range(2)
+        _make(config, global_batch_size=512, process_index=i, process_count=4).train
+        for i in range(4)
     ]
-    assert epoch % 2 == 0 and all(len(share["users"]) == epoch // 2 for share in shares)
-    positives = [_positive_pairs(share) for share in shares]
-    assert positives[0] and not positives[0] & positives[1]
-    union = np.sort(np.concatenate([_codes(share) for share in shares]))
-    # The same examples (negatives included) as one process with another batch size.
-    np.testing.assert_array_equal(union, _codes(_rows(single.train, epoch)))
+    for _ in range(3):
+        want, got = next(single), [next(share) for share in shares]
+        for key in TRAIN_KEYS:
+            np.testing.assert_array_equal(want[key], np.concatenate([g[key] for g in got]))
 
 
 def test_train_iterator_resumes_from_saved_state(tiny_dir):
     config = _config(tiny_dir)
     data = _make(config, seed=3, global_batch_size=64, process_index=1, process_count=2)
-    assert isinstance(data.train, grain.DatasetIterator)
+    assert isinstance(data.train, feed.TrainBatches)
     first = next(data.train)
     assert {k: v.shape for k, v in first.items()} == {k: (32,) for k in TRAIN_KEYS}
     for _ in range(3):
         next(data.train)
     state = data.train.get_state()
-    json.dumps(state)  # Checkpointable as JSON.
+    assert json.loads(json.dumps(state)) == {"global_batch": 4}
     expected = [next(data.train) for _ in range(2)]
-    restored = _make(config, seed=3, global_batch_size=64, process_index=1, process_count=2)
+    # The position is global: a single process resumes with the whole global batches.
+    restored = _make(config, seed=3, global_batch_size=64)
     restored.train.set_state(state)
     for want in expected:
         got = next(restored.train)
         for key in TRAIN_KEYS:
-            np.testing.assert_array_equal(want[key], got[key])
+            np.testing.assert_array_equal(want[key], got[key][32:])
+
+
+def test_worker_processes_give_the_same_batches(tiny_dir):
+    expected = _rows(_make(_config(tiny_dir), seed=1).train, 256 * 4)
+    workers = _make(_config(tiny_dir, worker_count=2), seed=1).train
+    try:
+        got = _rows(workers, 256 * 4)
+    finally:
+        workers.close()
+    for key in TRAIN_KEYS:
+        np.testing.assert_array_equal(expected[key], got[key])
+
+
+def test_local_movielens_records_parse_back_to_the_generated_ratings():
+    columns = local_movielens.generate_ratings(num_users=300, num_ratings=30_000, seed=5)
+    assert len(columns["user"]) == 30_000 and np.bincount(columns["user"]).max() > 100
+    counts = np.bincount(columns["user"])[1:]
+    assert (
+        counts.min() >= 20 and len(np.unique(columns["user"] * 10**6 + columns["movie"])) == 30_000
+    )
+    rows = np.random.default_rng(0).permutation(30_000)
+    records = local_movielens.serialize(columns, rows)
+    users, items, times = pipeline._read_columns(records, "local")
+    np.testing.assert_array_equal(users.astype(np.int64), columns["user"][rows])
+    np.testing.assert_array_equal(items.astype(np.int64), columns["movie"][rows])
+    np.testing.assert_array_equal(times, columns["timestamp"][rows])
+    feature = tf_example_pb2.Example.FromString(records[0]).features.feature
+    star = local_movielens._STARS[columns["star"][rows[0]]]
+    assert feature["user_rating"].float_list.value[0] == star
 
 
 def test_eval_batches_are_aligned_across_processes(tiny_dir, reference):
@@ -340,14 +365,9 @@ def test_missing_tfds_dataset_raises_a_clear_error(tmp_path, name):
     with pytest.raises(DatasetNotPreparedError) as error:
         _make(_config(tmp_path, name=name))
     message = str(error.value)
-    assert isinstance(error.value, RuntimeError) and "\n" not in message
+    assert isinstance(error.value, UserError) and "\n" not in message
     assert f"'{name}'" in message and str(tmp_path) in message
     assert f"tfds build {name} --file_format=array_record --data_dir={tmp_path}" in message
-
-
-def test_unprepared_tiny_dataset_without_prepare_raises(tmp_path):
-    with pytest.raises(DatasetNotPreparedError, match="tiny_movielens.*prepare"):
-        _make(_config(tmp_path, prepare=False))
 
 
 def test_bad_configs_fail_early(tiny_dir):
@@ -362,3 +382,36 @@ def test_bad_configs_fail_early(tiny_dir):
     # Users with 60 interactions leave only 440 of the 500 items as negatives.
     with pytest.raises(ConfigError, match="lower num_eval_negatives"):
         _make(_config(tiny_dir, num_eval_negatives=450))
+
+
+def test_vectorised_parser_reads_tfds_records_like_protobuf():
+    features = tfds.builder(ML20M).info.features
+    rng = np.random.default_rng(3)
+    examples = [
+        {"user_id": str(int(rng.integers(1, 10**6))), "movie_id": str(int(rng.integers(1, 10**5))),
+         "timestamp": int(rng.integers(0, 2**40)), "movie_title": "t" * int(rng.integers(1, 300)),
+         "movie_genres": [int(rng.integers(21))], "user_rating": 3.5}
+        for _ in range(500)
+    ]  # fmt: skip
+    records = [features.serialize_example(example) for example in examples]
+    assert max(map(len, records)) > 300  # Some lengths need two-byte varints.
+    users, items, times = ratings.parse_chunk(records)
+    np.testing.assert_array_equal(users, [int(e["user_id"]) for e in examples])
+    np.testing.assert_array_equal(items, [int(e["movie_id"]) for e in examples])
+    np.testing.assert_array_equal(times, [e["timestamp"] for e in examples])
+    # Ids that are not plain decimal numbers are left to protobuf (text order).
+    for odd in ("07", "a7", ""):
+        record = features.serialize_example({**examples[0], "user_id": odd})
+        assert ratings.parse_chunk(records[:3] + [record]) is None
+
+
+@pytest.mark.parametrize("split", ["train", "train[10%:30%]"])
+def test_shard_ranges_read_the_records_of_the_split(tiny_dir, split):
+    raw = tfds.decode.DeserializeMethod.RAW_BYTES
+    source = tfds.data_source(
+        "tiny_movielens", split=split, data_dir=str(tiny_dir), deserialize_method=raw
+    )
+    chunks = list(pipeline.record_chunks(source))
+    assert [record for chunk in chunks for record in chunk] == [
+        source[i] for i in range(len(source))
+    ]

@@ -5,7 +5,6 @@ import json
 import os
 import sys
 
-import grain
 import ml_collections
 import numpy as np
 import pytest
@@ -15,13 +14,11 @@ import tensorflow_datasets as tfds
 # the dataset from code (real runs read prepared files without it).
 from tensorflow_datasets.translate import wmt14  # noqa: F401
 
-from trainer.data import tiny_translation
+from trainer.data import feed, packing, tiny_translation
+from trainer.data.source import DatasetNotPreparedError
 from trainer.data.tokenizer import EOS_ID, SyntheticVocab, load_or_train_sentencepiece
-from trainer.data.translation import (
-    FEATURE_KEYS,
-    DatasetNotPreparedError,
-    make_translation_data,
-)
+from trainer.data.translation import FEATURE_KEYS, make_translation_data
+from trainer.errors import UserError
 
 WMT = "wmt14_translate/de-en"
 
@@ -30,6 +27,9 @@ def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
     config = {
         "name": "tiny_translation",
         "data_dir": str(data_dir),
+        "train_split": "train",
+        "worker_count": 0,
+        "worker_buffer_size": 2,
         "source_lang": "en",
         "target_lang": "de",
         "vocab_path": None,
@@ -171,40 +171,101 @@ def test_packed_train_batches_hold_whole_examples(tiny_dir, pairs):
     assert max(examples_per_row) >= 2 and np.mean(examples_per_row) > 1.5
 
 
-def test_processes_split_each_epoch_without_overlap(tiny_dir):
+def _assert_same(want, got):
+    assert set(want) == set(got)
+    for key in want:
+        np.testing.assert_array_equal(want[key], got[key])
+
+
+def _concat(batches):
+    return {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+
+
+def test_processes_take_blocks_of_one_global_order(tiny_dir):
     # 960 pairs, 32 rows per global batch: one epoch is 30 steps for any process count.
     config = _config(tiny_dir, train_split="train[:960]", pack=False)
 
-    def rows(data, steps):
-        return [row.tobytes() for b in _take(data.train, steps) for row in b["inputs"]]
+    def rows(batches):
+        return [row.tobytes() for b in batches for row in b["inputs"]]
 
-    single = _make(config, global_batch_size=32)
-    epoch1, epoch2 = rows(single, 30), rows(single, 30)
+    single = _take(_make(config, global_batch_size=32).train, 60)
+    epoch1, epoch2 = rows(single[:30]), rows(single[30:])
     assert len(set(epoch1)) == 960 and set(epoch2) == set(epoch1)
     assert epoch2 != epoch1  # Reshuffled every epoch.
-    shares = [
-        set(rows(_make(config, global_batch_size=32, process_index=i, process_count=2), 30))
-        for i in range(2)
-    ]
-    assert len(shares[0]) == len(shares[1]) == 480
-    assert not shares[0] & shares[1]
-    assert shares[0] | shares[1] == set(epoch1)
+    for count in (2, 4):
+        shares = [
+            _make(config, global_batch_size=32, process_index=i, process_count=count).train
+            for i in range(count)
+        ]
+        # Process i reads its block of rows of every global batch of the one order.
+        for want in single[:31]:
+            _assert_same(want, _concat([next(share) for share in shares]))
 
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_train_iterator_resumes_from_saved_state(tiny_dir, pack):
     config = _config(tiny_dir, pack=pack)
     data = _make(config, seed=3)
-    assert isinstance(data.train, grain.DatasetIterator)
+    assert isinstance(data.train, feed.TrainBatches)
     _take(data.train, 3)
     state = data.train.get_state()
-    json.dumps(state)  # Checkpointable as JSON.
+    assert json.loads(json.dumps(state)) == {"global_batch": 3}  # One global number.
     expected = _take(data.train, 2)
     restored = _make(config, seed=3).train
     restored.set_state(state)
     for want, got in zip(expected, _take(restored, 2), strict=True):
-        for key in FEATURE_KEYS:
-            np.testing.assert_array_equal(want[key], got[key])
+        _assert_same(want, got)
+
+
+def test_position_of_two_processes_resumes_on_one(tiny_dir):
+    config = _config(tiny_dir, pack=True)
+    shares = [_make(config, seed=4, process_index=i, process_count=2).train for i in range(2)]
+    for _ in range(5):
+        for share in shares:
+            next(share)
+    states = [share.get_state() for share in shares]
+    assert states[0] == states[1]
+    next_two = [_take(share, 2) for share in shares]
+    single = _make(config, seed=4).train
+    single.set_state(states[0])
+    for step, got in enumerate(_take(single, 2)):
+        _assert_same(_concat([next_two[0][step], next_two[1][step]]), got)
+
+
+def test_worker_processes_give_the_same_batches(tiny_dir):
+    expected = _take(_make(_config(tiny_dir, pack=True), seed=2).train, 6)
+    workers = _make(_config(tiny_dir, pack=True, worker_count=2), seed=2).train
+    try:
+        for want, got in zip(expected[:4], _take(workers, 4), strict=True):
+            _assert_same(want, got)
+        workers.set_state(workers.get_state())  # Restarts the workers at batch 4.
+        for want, got in zip(expected[4:], _take(workers, 2), strict=True):
+            _assert_same(want, got)
+    finally:
+        workers.close()
+
+
+def test_packing_plan_covers_each_epoch_once_and_packs_tightly(tiny_dir):
+    vocab_path = tiny_dir / "tiny_translation_spm_384.model"
+    path = packing.lengths_path(str(vocab_path), "tiny_translation", "train")
+    lengths = np.load(path)
+    assert lengths.shape == (20_000, 2) and lengths.min() >= 2
+    plan = packing.RowPlan(lengths, 24, pack=True, seed=1, name="t")
+    assert 0 < len(plan.kept) < 20_000  # Some pairs are longer than 24 tokens.
+    epoch_rows = [len(plan._compute(epoch)[2]) for epoch in (0, 1)]  # Counts may differ.
+    rows = plan.rows(np.arange(sum(epoch_rows)))
+    epochs = rows[: epoch_rows[0]], rows[epoch_rows[0] :]
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(np.concatenate(epoch)), plan.kept)
+        assert all((lengths[r].sum(axis=0) <= 24).all() for r in epoch)
+    # Target tokens fill > 90% of 48-token rows (packing pairs in order fills ~75%).
+    tight = packing.RowPlan(lengths, 48, pack=True, seed=1, name="t")
+    assert len(tight.kept) == 20_000
+    assert lengths[:, 1].sum() / (len(tight._compute(0)[2]) * 48) > 0.9
+    assert [r.tolist() for r in epochs[0]] != [r.tolist() for r in epochs[1]]
+    # Back to the first epoch (a resumed position, or a worker started from a copy).
+    again = plan.rows(np.arange(5))
+    assert [r.tolist() for r in again] == [r.tolist() for r in rows[:5]]
 
 
 def test_eval_batches_are_padded_equally_and_match_references(tiny_dir):
@@ -255,6 +316,7 @@ def test_wmt_pipeline_on_mock_data(tmp_path):
         data = _make(config, global_batch_size=8, process_index=1, process_count=2)
         batches = _take(data.train, 3)
     assert (tmp_path / "wmt14_translate_de-en_spm_64.model").exists()
+    assert len(list(tmp_path.glob("wmt14_translate_de-en_spm_64.model.*.lengths.npy"))) == 1
     assert data.vocab.vocab_size == 64
     examples_per_row = []
     for batch in batches:
@@ -280,21 +342,14 @@ def test_missing_tfds_dataset_raises_a_clear_error(tmp_path, name):
     with pytest.raises(DatasetNotPreparedError) as error:
         _make(_config(tmp_path, name=name, vocab_size=32000, eval_split="test"))
     message = str(error.value)
-    assert isinstance(error.value, RuntimeError) and "\n" not in message
+    assert isinstance(error.value, UserError) and "\n" not in message
     assert f"'{name}'" in message
     assert f"tfds build {name} --file_format=array_record --data_dir={tmp_path}" in message
 
 
-def test_unprepared_tiny_dataset_without_prepare_raises(tmp_path):
-    with pytest.raises(DatasetNotPreparedError, match="tiny_translation.*prepare"):
-        _make(_config(tmp_path, prepare=False))
-
-
 def test_synthetic_data_is_deterministic_and_sharded():
-    config = ml_collections.ConfigDict(
-        {"name": "synthetic", "vocab_size": 100, "max_length": 16, "pack": True,
-         "num_eval_examples": 12}
-    )  # fmt: skip
+    config = _config(None, name="synthetic", vocab_size=100, max_length=16, pack=True,
+                     num_eval_examples=12)  # fmt: skip
     data = _make(config, seed=5)
     first, second = _take(data.train, 2)
     assert {k: (v.shape, v.dtype) for k, v in first.items()} == {
@@ -308,7 +363,7 @@ def test_synthetic_data_is_deterministic_and_sharded():
     assert not np.array_equal(next(_make(config, seed=6).train)["inputs"], first["inputs"])
     for index in range(2):
         shard = next(_make(config, seed=5, process_index=index, process_count=2).train)
-        np.testing.assert_array_equal(shard["inputs"], first["inputs"][index::2])
+        np.testing.assert_array_equal(shard["inputs"], first["inputs"][4 * index : 4 * index + 4])
     state = data.train.get_state()
     expected = next(data.train)
     again.set_state(state)

@@ -1,68 +1,66 @@
-"""Image classification input pipeline: TFDS images -> crops and flips -> grain batches.
+"""Image classification input pipeline: TFDS images -> crops and flips -> batches.
 
-Serves `imagenet2012` (prepared by the user, see `DatasetNotPreparedError`) and the
-embedded `tiny_images` through one code path. The host only crops, resizes and flips,
-and hands out uint8 pixels: normalisation (mean/std) happens on device, in the model, as
-in the MLPerf multipod host pipeline, so the host does the least work per image and
-moves 1 byte per channel instead of 4.
+Serves `imagenet2012` (prepared by the user), the embedded `local_jpeg`
+(ImageNet-size JPEGs generated here) and `tiny_images` through one code path. The
+host only decodes, crops, resizes and flips, and hands out uint8 pixels:
+normalisation (mean/std) happens on device, in the model, as in the MLPerf
+multipod host pipeline, so the host does the least work per image and moves 1
+byte per channel instead of 4.
 
-Data flow, training: split "train" --> process i of n owns examples i, i+n, ... -->
-grain shuffles that share, reseeded every epoch (`shuffle().repeat()`) --> each example is
-decoded (TFDS decodes imagenet's JPEG bytes itself, with OpenCV or Pillow, to a uint8
-[H, W, 3] array; `tiny_images` stores raw uint8 arrays) --> an Inception-style random
-resized crop (area 8%-100% of the image, aspect ratio 3/4-4/3, 10 tries, then a center
-crop) is resized to S x S and flipped horizontally with probability 1/2. The crop and
-flip are a function of (seed, epoch, example index) alone, so they do not depend on the
-number of processes, the read threads or resumption; grain's iterator state (an index)
-is the whole checkpoint.
+Training: global row r is example `permute(r mod N)` of epoch `r // N` (the order
+of `trainer.data.order`, reshuffled every epoch); its JPEG bytes are read
+undecoded, an Inception-style random resized crop (area 8%-100%, aspect ratio
+3/4-4/3, 10 tries, then a center crop) is chosen from the header, decoded at the
+smallest DCT scale the crop allows, resized once to S x S and flipped with
+probability 1/2 (see `trainer.data.augment`). Crop and flip are a function of
+(seed, epoch, example) alone, so batches do not depend on the number of
+processes, workers or threads, nor on resumption.
 
-Eval: the first `num_eval_examples` of `eval_split`, process i owning i, i+n, ... -->
-resize the shorter side to S * 256/224 and take the center S x S (done as one resize of
-the center crop of side shorter * 224/256) --> batches of the local batch size, padded
-with all-zero rows of weight 0 so every process yields the same number of batches.
+Eval: the first `num_eval_examples` of `eval_split`, process i owning i, i+n, ...
+-> the center crop of side shorter * 224/256 resized to S x S (the usual "resize
+the shorter side to S * 256/224, crop S x S", in one resample) -> batches padded
+with all-zero rows of weight 0 so every process yields the same number.
 
-For `tiny_images` (32x32 images) the random crop keeps at least 25% of the area (8% of a
-32x32 image is a 9x9 patch, too little of a stripe pattern) and eval uses the whole image.
+For `tiny_images` (32x32 arrays) the random crop keeps at least 25% of the area
+and eval uses the whole image.
 """
 
 import dataclasses
-import io
-import math
-import os
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
-from PIL import Image
 
-from trainer.data import options, tiny_images
-from trainer.data.translation import DatasetNotPreparedError
+from trainer.data import augment, feed, local_jpeg, options, order, source, tiny_images
+from trainer.data.options import DataOptions
 from trainer.errors import ConfigError
-
-__all__ = ["DatasetNotPreparedError", "ImageData", "make_image_data"]
 
 Batch = dict[str, np.ndarray]
 IMAGENET = "imagenet2012"
 TRAIN_KEYS = ("images", "labels")
 EVAL_KEYS = ("images", "labels", "weights")
-_DEFAULT_READ_THREADS = 2
-_PREFETCH_BUFFER = 64  # Examples decoded ahead of the consumer.
-_CROP_TRIES = 10
-_MAX_LOG_ASPECT = math.log(4 / 3)
+_SHUFFLE = 11  # Stream of the order hash (see `order.epoch_order`).
+# ImageNet cannot be downloaded by TFDS: its licence needs a manual download.
+_IMAGENET_MANUAL = (
+    "download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar from image-net.org "
+    "into {data_dir}/downloads/manual, then "
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _DatasetSpec:
-    default_image_size: int
     min_crop_area: float  # Smallest fraction of the image a training crop covers.
     eval_crop_fraction: float  # Side of the eval center crop / shorter side.
+    encoded: bool  # Images stored as JPEG bytes (read undecoded) rather than arrays.
 
 
 _DATASETS = {
-    IMAGENET: _DatasetSpec(224, 0.08, 224 / 256),
-    tiny_images.DATASET_NAME: _DatasetSpec(tiny_images.IMAGE_SIZE, 0.25, 1.0),
+    IMAGENET: _DatasetSpec(0.08, 224 / 256, encoded=True),
+    local_jpeg.DATASET_NAME: _DatasetSpec(0.08, 224 / 256, encoded=True),
+    tiny_images.DATASET_NAME: _DatasetSpec(0.25, 1.0, encoded=False),
 }
 
 
@@ -71,32 +69,27 @@ class ImageData:
     """The input side of an image classification run, for one process.
 
     Attributes:
-      train: Endless, checkpointable (get_state/set_state) iterator of training batches:
-        "images" uint8 [b, S, S, 3], "labels" int32 [b], b = global batch / processes.
+      train: Endless iterator of training batches with a global position
+        (`feed.TrainBatches`): "images" uint8 [b, S, S, 3], "labels" int32 [b],
+        b = global batch / processes.
       eval_batches: Returns a fresh finite iterator of eval batches: "images" uint8
         [b, S, S, 3], "labels" int32 [b], "weights" float32 [b] (1 real, 0 padding).
         Every process yields the same number of batches; padding rows are all zero.
       num_classes: Number of labels (labels are in [0, num_classes)).
     """
 
-    train: grain.DatasetIterator
+    train: feed.TrainBatches
     eval_batches: Callable[[], Iterator[Batch]]
     num_classes: int
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
-    name: str
-    data_dir: str
+class ImageOptions:
+    """The image-specific keys of the data config."""
+
     image_size: int
     eval_split: str
-    num_eval_examples: int
-    prepare: bool
-    read_threads: int
-    local_batch: int
-    seed: int
-    process_index: int
-    process_count: int
+    num_eval_examples: int  # -1: the whole eval split.
 
 
 def make_image_data(
@@ -110,13 +103,11 @@ def make_image_data(
     """Builds this process's training iterator and eval batches.
 
     Args:
-      data_config: `ml_collections.ConfigDict` (or mapping) with keys name
-        ("imagenet2012" or "tiny_images"), data_dir; optional: image_size (224 for
-        imagenet2012, 32 for tiny_images), eval_split ("validation"), num_eval_examples
-        (-1: all), prepare (True: build tiny_images if missing), read_threads (2).
+      data_config: the `data` config section: the `DataOptions` keys and image_size,
+        eval_split, num_eval_examples.
       global_batch_size: Examples per step over all processes (train and eval); must
         divide by `process_count`.
-      seed: Seed of shuffling, crops and flips.
+      seed: Seed of the order, crops and flips.
       process_index: This process, in [0, process_count).
       process_count: Number of processes reading data.
 
@@ -127,211 +118,106 @@ def make_image_data(
       DatasetNotPreparedError: If the TFDS dataset is not prepared in `data_dir`.
       ConfigError: On an inconsistent config.
     """
-    opts = _parse_options(data_config, global_batch_size, seed, process_index, process_count)
-    if opts.name == tiny_images.DATASET_NAME:
-        if opts.prepare:
-            tiny_images.prepare_tiny_images(opts.data_dir)
-        elif not tiny_images.TinyImages(data_dir=opts.data_dir).is_prepared():
-            raise DatasetNotPreparedError(
-                f"Dataset '{opts.name}' is not prepared in data_dir={opts.data_dir}: set "
-                "prepare=True in the data config or call "
-                f"trainer.data.tiny_images.prepare_tiny_images({opts.data_dir!r})."
-            )
-    train_source = _open_split(opts, "train")
-    eval_source = _open_split(opts, opts.eval_split)
-    num_classes = int(train_source.dataset_info.features["label"].num_classes)
-    return ImageData(
-        train=_train_iterator(train_source, opts),
-        eval_batches=_eval_function(eval_source, opts),
-        num_classes=num_classes,
-    )
-
-
-def _parse_options(
-    config: Any, global_batch_size: int, seed: int, process_index: int, process_count: int
-) -> _Options:
-    get = options.config_getter(config)
-    local_batch = options.local_batch_size(global_batch_size, process_index, process_count)
-    name = get("name")
-    if name not in _DATASETS:
-        raise ConfigError(f"Unknown image dataset '{name}'; expected one of {list(_DATASETS)}.")
-    opts = _Options(
-        name=name,
-        data_dir=options.data_dir(get("data_dir", None)),
-        image_size=int(get("image_size", _DATASETS[name].default_image_size)),
-        eval_split=get("eval_split", "validation"),
-        num_eval_examples=int(get("num_eval_examples", -1)),
-        prepare=bool(get("prepare", True)),
-        read_threads=int(get("read_threads", _DEFAULT_READ_THREADS)),
-        local_batch=local_batch,
-        seed=seed % 2**32,  # grain seeds are uint32.
+    opts = DataOptions.from_config(
+        data_config,
+        global_batch_size=global_batch_size,
+        seed=seed,
         process_index=process_index,
         process_count=process_count,
     )
-    if opts.image_size < 1:
-        raise ConfigError(f"image_size={opts.image_size} must be >= 1.")
-    if opts.num_eval_examples == 0 or opts.num_eval_examples < -1:
-        raise ConfigError(f"num_eval_examples={opts.num_eval_examples}: use -1 (all) or > 0.")
-    return opts
-
-
-def _not_prepared_message(name: str, data_dir: str, detail: str) -> str:
-    manual = ""
-    if name == IMAGENET:
-        # ImageNet cannot be downloaded by TFDS: its licence needs a manual download.
-        manual = (
-            f"download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar from "
-            f"image-net.org into {os.path.join(data_dir, 'downloads', 'manual')}, then "
+    image_opts = ImageOptions(
+        **options.read(
+            data_config, {"image_size": int, "eval_split": str, "num_eval_examples": int}
         )
-    return (
-        f"TFDS dataset '{name}' {detail} in data_dir={data_dir}. Prepare it: {manual}run "
-        f"`tfds build {name} --file_format=array_record --data_dir={data_dir}` (needs "
-        "TensorFlow on the preparing machine; copy the result here)."
     )
-
-
-def _open_split(opts: _Options, split: str) -> Sequence[Mapping[str, Any]]:
-    """Opens a random-access TFDS split, mapping "not prepared" to one clear error."""
-    try:
-        # download=False: never start a download (and preparation) as a side effect.
-        return tfds.data_source(opts.name, split=split, data_dir=opts.data_dir, download=False)
-    except tfds.core.DatasetNotFoundError:
-        # `from None`: TFDS's message lists every dataset it knows, burying this one.
-        message = _not_prepared_message(opts.name, opts.data_dir, "is not found")
-        raise DatasetNotPreparedError(message) from None
-    except Exception as e:
-        # Diagnosed after the fact: `tfds.testing.mock_data` fakes the source, not the files.
-        builder = tfds.builder(opts.name, data_dir=opts.data_dir)
-        if not builder.is_prepared():
-            detail = "is not prepared"
-        elif tfds.core.FileFormat.ARRAY_RECORD not in builder.info.available_file_formats():
-            detail = f"is prepared as {builder.info.file_format.value}, not array_record,"
-        else:
-            raise
-        raise DatasetNotPreparedError(
-            _not_prepared_message(opts.name, opts.data_dir, detail)
-        ) from e
-
-
-def as_rgb(image: Any) -> np.ndarray:
-    """A uint8 [H, W, 3] array from a decoded image array or encoded (JPEG/PNG) bytes."""
-    if isinstance(image, bytes):
-        with Image.open(io.BytesIO(image)) as decoded:
-            return np.asarray(decoded.convert("RGB"))
-    image = np.asarray(image, dtype=np.uint8)
-    if image.ndim == 2:
-        image = image[..., None]
-    if image.shape[-1] == 1:  # Grayscale.
-        return np.repeat(image, 3, axis=-1)
-    return image[..., :3]  # Drops an alpha channel, if any.
-
-
-def random_crop_box(
-    height: int, width: int, rng: np.random.Generator, min_area: float
-) -> tuple[int, int, int, int]:
-    """An Inception-style random crop: (top, left, crop height, crop width).
-
-    Area uniform in [min_area, 1] of the image, log-uniform aspect ratio (w/h) in
-    [3/4, 4/3]; after `_CROP_TRIES` crops that do not fit, the central square-ish crop.
-    """
-    area = height * width
-    for _ in range(_CROP_TRIES):
-        target = area * rng.uniform(min_area, 1.0)
-        aspect = math.exp(rng.uniform(-_MAX_LOG_ASPECT, _MAX_LOG_ASPECT))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return top, left, h, w
-    # Fallback: the largest center crop whose aspect ratio is within bounds.
-    ratio = width / height
-    if ratio < 3 / 4:
-        w, h = width, round(width * 4 / 3)
-    elif ratio > 4 / 3:
-        w, h = round(height * 4 / 3), height
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
-def center_crop_box(height: int, width: int, fraction: float) -> tuple[int, int, int, int]:
-    """The central square of side `fraction` * shorter side: (top, left, side, side)."""
-    side = max(1, round(min(height, width) * fraction))
-    return (height - side) // 2, (width - side) // 2, side, side
-
-
-def crop_and_resize(image: np.ndarray, box: tuple[int, int, int, int], size: int) -> np.ndarray:
-    """The `box` (top, left, h, w) of `image`, resized (bilinear) to uint8 [size, size, 3]."""
-    top, left, h, w = box
-    if (h, w) == (size, size):
-        return np.ascontiguousarray(image[top : top + h, left : left + w])
-    # One resampling step from the box (PIL antialiases when shrinking).
-    resized = Image.fromarray(image).resize(
-        (size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h)
-    )
-    return np.asarray(resized)
-
-
-def _train_iterator(source: Sequence[Mapping[str, Any]], opts: _Options) -> grain.DatasetIterator:
-    # Shuffles example indices (not examples) so the crop can be keyed by the index.
-    share = grain.MapDataset.range(len(source))[opts.process_index :: opts.process_count]
-    if len(share) == 0:
+    if opts.name not in _DATASETS:
         raise ConfigError(
-            f"Split 'train' of {opts.name} has {len(source)} examples, none for process "
-            f"{opts.process_index} of {opts.process_count}."
+            f"Unknown image dataset '{opts.name}'; expected one of {list(_DATASETS)}."
         )
-    share_size = len(share)
-    min_area = _DATASETS[opts.name].min_crop_area
+    if image_opts.image_size < 1:
+        raise ConfigError(f"image_size={image_opts.image_size} must be >= 1.")
+    if image_opts.num_eval_examples == 0 or image_opts.num_eval_examples < -1:
+        raise ConfigError(f"num_eval_examples={image_opts.num_eval_examples}: use -1 (all) or > 0.")
+    train_source = open_images(opts.name, opts.train_split, opts.data_dir)
+    eval_source = open_images(opts.name, image_opts.eval_split, opts.data_dir)
+    if len(train_source) == 0:
+        raise ConfigError(f"Split '{opts.train_split}' of {opts.name} is empty.")
+    return ImageData(
+        train=feed.TrainBatches(TrainBatchFn(train_source, opts, image_opts.image_size), opts),
+        eval_batches=_eval_function(eval_source, opts, image_opts),
+        num_classes=int(train_source.dataset_info.features["label"].num_classes),
+    )
 
-    def example(position: int, index: int) -> Batch:
-        # `position` counts over the repeated share: it gives the epoch.
-        epoch = position // share_size
-        rng = np.random.default_rng((opts.seed, epoch, index))
-        record = source[index]
-        image = as_rgb(record["image"])
-        box = random_crop_box(image.shape[0], image.shape[1], rng, min_area)
-        image = crop_and_resize(image, box, opts.image_size)
-        if rng.random() < 0.5:
-            image = image[:, ::-1]
-        return {"images": np.ascontiguousarray(image), "labels": np.int32(record["label"])}
 
-    rows = share.shuffle(seed=opts.seed).repeat().map_with_index(example)
-    read = grain.ReadOptions(num_threads=opts.read_threads, prefetch_buffer_size=_PREFETCH_BUFFER)
-    return iter(rows.to_iter_dataset(read).batch(opts.local_batch, drop_remainder=True))
+def open_images(name: str, split: str, data_dir: str) -> Sequence[Mapping[str, Any]]:
+    """The split, with JPEG images left undecoded (bytes) so the crop can steer decoding."""
+    kwargs = {}
+    if name in _DATASETS and _DATASETS[name].encoded:
+        kwargs["decoders"] = {"image": tfds.decode.SkipDecoding()}
+    manual = _IMAGENET_MANUAL.format(data_dir=data_dir) if name == IMAGENET else ""
+    return source.open_split(name, split, data_dir, manual=manual, **kwargs)
+
+
+class TrainBatchFn:
+    """This process's rows of a global training batch (picklable for worker processes)."""
+
+    def __init__(self, images: Sequence[Mapping[str, Any]], opts: DataOptions, size: int):
+        self.images, self.opts, self.size = images, opts, size
+        self.min_area = _DATASETS[opts.name].min_crop_area
+
+    def example(self, epoch: int, index: int) -> tuple[np.ndarray, bool, int]:
+        """(crop uint8 [S, S, 3], flip, label) of one example in one epoch."""
+        rng = np.random.default_rng((self.opts.seed, epoch, index))
+        record = self.images[index]
+        crop = augment.crop_to(
+            record["image"],
+            functools.partial(augment.random_crop_box, rng=rng, min_area=self.min_area),
+            self.size,
+        )
+        return crop, bool(rng.random() < 0.5), int(record["label"])
+
+    def __call__(self, batch_index: int) -> Batch:
+        opts = self.opts
+        rows = order.process_rows(
+            batch_index, opts.global_batch, opts.process_index, opts.local_batch
+        )
+        epochs, indices = order.epoch_order(rows, len(self.images), opts.seed, _SHUFFLE)
+        images = np.empty((len(rows), self.size, self.size, 3), np.uint8)
+        labels = np.empty(len(rows), np.int32)
+        for row, (epoch, index) in enumerate(zip(epochs.tolist(), indices.tolist(), strict=True)):
+            crop, flip, labels[row] = self.example(epoch, index)
+            images[row] = crop[:, ::-1] if flip else crop  # The one copy into the batch.
+        return {"images": images, "labels": labels}
 
 
 def _eval_function(
-    source: Sequence[Mapping[str, Any]], opts: _Options
+    images: Sequence[Mapping[str, Any]], opts: DataOptions, image_opts: ImageOptions
 ) -> Callable[[], Iterator[Batch]]:
     """Returns eval_batches() over this process's examples, i, i+n, ... of the first N."""
-    total = len(source) if opts.num_eval_examples < 0 else min(len(source), opts.num_eval_examples)
-    indices = np.arange(opts.process_index, total, opts.process_count)
-    # Sized by the largest share so that every process runs the same number of
-    # (collective) eval steps; smaller shares end with all-zero rows.
-    num_batches = math.ceil(math.ceil(total / opts.process_count) / opts.local_batch)
-    size, fraction = opts.image_size, _DATASETS[opts.name].eval_crop_fraction
+    total = len(images)
+    if image_opts.num_eval_examples > 0:
+        total = min(total, image_opts.num_eval_examples)
+    share = feed.EvalShare.of(total, opts)
+    size, fraction = image_opts.image_size, _DATASETS[opts.name].eval_crop_fraction
+    center = functools.partial(augment.center_crop_box, fraction=fraction)
 
-    def example(row: int) -> Batch:
-        if row >= len(indices):
-            return {
-                "images": np.zeros((size, size, 3), np.uint8),
-                "labels": np.int32(0),
-                "weights": np.float32(0),
-            }
-        record = source[int(indices[row])]
-        image = as_rgb(record["image"])
-        box = center_crop_box(image.shape[0], image.shape[1], fraction)
-        return {
-            "images": crop_and_resize(image, box, size),
-            "labels": np.int32(record["label"]),
-            "weights": np.float32(1),
+    batches = list(share.batch_indices())
+
+    def eval_batch(number: int) -> Batch:
+        records = [images[int(i)] for i in batches[number]]
+        crops = np.zeros((len(records), size, size, 3), np.uint8)
+        for row, record in enumerate(records):
+            crops[row] = augment.crop_to(record["image"], center, size)
+        batch = {
+            "images": crops,
+            "labels": np.array([r["label"] for r in records], np.int32),
+            "weights": np.ones(len(records), np.float32),
         }
-
-    read = grain.ReadOptions(num_threads=opts.read_threads, prefetch_buffer_size=_PREFETCH_BUFFER)
-    rows = grain.MapDataset.range(num_batches * opts.local_batch).map(example)
+        return feed.pad_rows(batch, share.batch)
 
     def eval_batches() -> Iterator[Batch]:
-        return iter(rows.to_iter_dataset(read).batch(opts.local_batch, drop_remainder=True))
+        # A few threads: Pillow releases the GIL while it decodes.
+        read = grain.ReadOptions(num_threads=feed.IN_PROCESS_THREADS, prefetch_buffer_size=2)
+        return iter(grain.MapDataset.range(len(batches)).map(eval_batch).to_iter_dataset(read))
 
     return eval_batches

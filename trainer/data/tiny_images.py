@@ -19,7 +19,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
 from trainer.data import prepare
 
@@ -75,33 +74,23 @@ def generate_images(split: str) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(images), 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
-class TinyImages(tfds.core.GeneratorBasedBuilder):
+class TinyImages(prepare.LocalBuilder):
     """Synthetic 32x32 stripe images of 10 classes, shaped like imagenet2012."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # TFDS 4.9.10 derives `code_path` through a backport that is missing on
-    # Python 3.11 (see `tiny_translation.TinyTranslation.code_path`).
-    code_path = epath.Path(__file__)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        # Built directly: `dataset_info_from_configs` looks for metadata files.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=__doc__,
-            features=tfds.features.FeaturesDict(
-                {
-                    # Raw bytes: no image codec (and no TensorFlow) to read them.
-                    "image": tfds.features.Tensor(
-                        shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
-                        dtype=np.uint8,
-                        encoding=tfds.features.Encoding.BYTES,
-                    ),
-                    "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
-                }
-            ),
-            supervised_keys=("image", "label"),
+    def features(self) -> tfds.features.FeatureConnector:
+        return tfds.features.FeaturesDict(
+            {
+                # Raw bytes: no image codec (and no TensorFlow) to read them.
+                "image": tfds.features.Tensor(
+                    shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
+                    dtype=np.uint8,
+                    encoding=tfds.features.Encoding.BYTES,
+                ),
+                "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
+            }
         )
+
+    SUPERVISED_KEYS = ("image", "label")
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         del dl_manager  # Nothing to download.

@@ -27,7 +27,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
 from trainer.data import prepare
 
@@ -100,30 +99,18 @@ def generate_ratings(seed: int = SEED) -> dict[str, np.ndarray]:
     }
 
 
-class TinyMovielens(tfds.core.GeneratorBasedBuilder):
+def rating_features() -> tfds.features.FeatureConnector:
+    """The features of movielens/20m-ratings that the embedded MovieLens datasets keep."""
+    return tfds.features.FeaturesDict(
+        {"user_id": np.str_, "movie_id": np.str_, "timestamp": np.int64, "user_rating": np.float32}
+    )
+
+
+class TinyMovielens(prepare.LocalBuilder):
     """Synthetic low-rank implicit feedback shaped like movielens/20m-ratings."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # TFDS 4.9.10 derives `code_path` through a backport that is missing on
-    # Python 3.11 (see `tiny_translation.TinyTranslation.code_path`).
-    code_path = epath.Path(__file__)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        # Built directly: `dataset_info_from_configs` looks for metadata files.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=__doc__,
-            features=tfds.features.FeaturesDict(
-                {
-                    "user_id": np.str_,
-                    "movie_id": np.str_,
-                    "timestamp": np.int64,
-                    "user_rating": np.float32,
-                }
-            ),
-            supervised_keys=None,
-        )
+    def features(self) -> tfds.features.FeatureConnector:
+        return rating_features()
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         del dl_manager  # Nothing to download.

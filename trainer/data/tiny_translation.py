@@ -27,7 +27,6 @@ import random
 from collections.abc import Iterator, Sequence
 
 import tensorflow_datasets as tfds
-from etils import epath
 
 from trainer.data import prepare
 
@@ -182,26 +181,13 @@ def generate_pairs(num_pairs: int, seed: int = SEED) -> list[tuple[str, str]]:
     return pairs
 
 
-class TinyTranslation(tfds.core.GeneratorBasedBuilder):
+class TinyTranslation(prepare.LocalBuilder):
     """Synthetic English -> toy-German translation, generated locally."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # TFDS 4.9.10 derives `code_path` for builders living in a package via the
-    # `importlib_resources` backport, which it only installs on Python < 3.9, so
-    # the lookup crashes on 3.11. The path only serves to find an (absent)
-    # checksums file next to the code, so give it directly.
-    code_path = epath.Path(__file__)
+    def features(self) -> tfds.features.FeatureConnector:
+        return tfds.features.Translation(languages=("de", "en"))
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        # `DatasetInfo` is built directly: `dataset_info_from_configs` would look
-        # for TFDS metadata files (README, citations) next to this module.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=__doc__,
-            features=tfds.features.Translation(languages=("de", "en")),
-            supervised_keys=("en", "de"),
-        )
+    SUPERVISED_KEYS = ("en", "de")
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         del dl_manager  # Nothing to download.

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import sentencepiece as spm
 
+from trainer import storage
 from trainer.errors import ConfigError
 
 PAD_ID = 0
@@ -162,6 +163,24 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, description: s
     return model.getvalue()
 
 
+def _publish_locally(vocab_path: str, model_proto: bytes) -> None:
+    """Writes ``vocab_path`` atomically unless another process did first."""
+    directory = os.path.dirname(vocab_path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".spm-", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users.
+        with os.fdopen(fd, "wb") as f:
+            f.write(model_proto)
+            f.flush()
+            os.fsync(f.fileno())
+        # If another process published its model first, use that one.
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp_path, vocab_path)
+    finally:
+        os.unlink(tmp_path)
+
+
 def load_or_train_sentencepiece(
     vocab_path: str,
     vocab_size: int,
@@ -171,12 +190,12 @@ def load_or_train_sentencepiece(
 ) -> SentencePieceVocab:
     """Loads the SentencePiece model at `vocab_path`, training and saving it first if absent.
 
-    Saving is atomic and first-writer-wins (hard link of a complete temporary
-    file), so concurrent processes all end up loading the same file even if
-    they all trained a model.
+    Saving is atomic (on local disks, first-writer-wins by a hard link of a
+    complete temporary file; in object stores, by the store), so concurrent
+    processes all end up loading the same file even if they all trained a model.
 
     Args:
-      vocab_path: Local path of the `.model` file.
+      vocab_path: Path or URL (``gs://...``) of the `.model` file.
       vocab_size: Vocabulary size to train with; an existing model may be
         smaller (the model's embedding is then partly unused) but not larger.
       training_texts: Returns the training sentences; only called if the file
@@ -190,24 +209,16 @@ def load_or_train_sentencepiece(
       ValueError: If an existing model is larger than `vocab_size` or has other
         special ids.
     """
-    if not os.path.exists(vocab_path):
+    path = storage.path(vocab_path)
+    if not path.exists():
         model_proto = train_sentencepiece(training_texts(), vocab_size, description=description)
-        directory = os.path.dirname(os.path.abspath(vocab_path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".spm-", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users.
-            with os.fdopen(fd, "wb") as f:
-                f.write(model_proto)
-                f.flush()
-                os.fsync(f.fileno())
-            # If another process published its model first, use that one.
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp_path, vocab_path)
-        finally:
-            os.unlink(tmp_path)
-    with open(vocab_path, "rb") as f:
-        vocab = SentencePieceVocab(f.read(), source=vocab_path)
+        if storage.is_remote(path):
+            # An object appears whole or not at all, and every process trains
+            # the same model from the same text: a plain write is enough.
+            path.write_bytes(model_proto)
+        else:
+            _publish_locally(str(path), model_proto)
+    vocab = SentencePieceVocab(path.read_bytes(), source=vocab_path)
     if vocab.vocab_size > vocab_size:
         raise ConfigError(
             f"SentencePiece model {vocab_path} has {vocab.vocab_size} pieces but the config "
