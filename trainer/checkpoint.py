@@ -7,53 +7,102 @@
   hosts that own them. Logical shapes make a checkpoint readable by any mesh and
   any ``update_sharding`` mode; a restore reads straight into the target's
   shardings (never everything onto one host).
-* ``data``: each process's grain iterator position, one JSON file per process.
+* ``data``: the input position (the global index of the next batch), one JSON file.
 * ``config``: the run config.
 
-Orbax writes into a temporary directory and renames it when every host has
-finished, so a save killed half-way is never listed as a checkpoint.
+Orbax writes into ``<step>.orbax-checkpoint-tmp`` and renames it when every host
+has finished, so a save cut short is never listed; the next run (holding the
+work-directory lock, so no other run can be writing) removes such leftovers.
+
+Faults, and what a run does about them:
+
+* a checkpoint that cannot be read, in any part (arrays, metadata, input
+  position, config; an empty step directory), is moved to
+  ``checkpoints/corrupt/<step>-<time>`` with a warning, and the previous one is
+  used: the next save of that step does not collide with it;
+* a checkpoint of another model or optimizer is an error naming the difference,
+  never "unreadable";
+* a background save that fails (a full disk) is found at the next loop
+  boundary (:meth:`Checkpointer.failure`) and ends the run with one line;
+* retention (``keep_checkpoints`` >= 1) deletes old checkpoints only after a
+  newer one is complete, so the newest complete checkpoint is never deleted.
+
+Orbax logs the errors of its background threads with tracebacks; they reach
+the run through :meth:`Checkpointer.failure` and :meth:`Checkpointer.wait`,
+which report them as one line, so :mod:`trainer.orbax_output` drops those records.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import subprocess
 import sys
+import time
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
+
+from trainer import errors, faults, orbax_output, storage
+from trainer.errors import UserError
+
+CORRUPT = "corrupt"  # unreadable checkpoints are moved into this subdirectory
 
 
-class CheckpointError(RuntimeError):
-    """Checkpoints exist but none can be used."""
+class CheckpointError(UserError):
+    """Checkpoints exist but none can be used, or one cannot be written."""
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoint's shapes do not fit the configured model."""
+    """The checkpoint's shapes or optimizer state do not fit the configured run."""
 
 
-class DataStateHandler(ocp.CheckpointHandler):
-    """Saves each process's input-pipeline position as its own JSON file."""
+class SaveFailedError(CheckpointError):
+    """A checkpoint could not be written (disk full, permissions, the object store)."""
 
-    def _file(self, directory: epath.Path) -> epath.Path:
-        return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    last_words = True
+
+
+class DataStateHandler(ocp.AsyncCheckpointHandler):
+    """Saves the input position, one JSON for the whole job.
+
+    The position is global (the index of the next global batch, the same on every
+    process; see trainer.data.feed), so process 0 writes it and any number of
+    processes can resume from it. Written by the save's background commit, like
+    the arrays (and where :mod:`trainer.faults`' ``save`` point is).
+    """
+
+    _FILE = "position.json"
+
+    async def _write(self, directory: epath.Path, state: Any) -> None:
+        faults.point("save")
+        if jax.process_index() == 0:
+            (directory / self._FILE).write_text(json.dumps(state))
+
+    async def async_save(self, directory: epath.Path, args: DataStateSave) -> list:
+        return [
+            ocp.future.CommitFutureAwaitingContractedSignals(
+                self._write(directory, args.state), name="position_save"
+            )
+        ]
 
     def save(self, directory: epath.Path, args: DataStateSave) -> None:
-        self._file(directory).write_text(json.dumps(args.state))
+        asyncio.run(self._write(directory, args.state))
 
     def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> Any:
-        """This process's saved position, or None if the checkpoint was written
-        by a different number of processes (positions are per process share)."""
-        path = self._file(directory)
-        if not path.exists():
-            if not list(directory.glob("process_*-of-*.json")):
-                raise CheckpointError(f"{directory} holds no input positions")
-            return None
-        return json.loads(path.read_text())
+        state = json.loads((directory / self._FILE).read_text())
+        if not isinstance(state, dict):
+            raise ValueError(f"{directory / self._FILE} holds no input position: {state!r}")
+        return state
 
     def metadata(self, directory: epath.Path) -> None:
         return None
@@ -71,40 +120,144 @@ class DataStateRestore(ocp.args.CheckpointArgs):
     pass
 
 
-def _key(path) -> str:
-    # Metadata comes back as nested dicts where the state had NamedTuples, so
-    # compare paths by their names only.
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+# What a failed write says when the disk, not the program, is at fault.
+_DISK_ERRORS = "No space left on device|Disk quota exceeded|Permission denied|Read-only file system"
 
 
-def _first_mismatch(abstract, metadata) -> str | None:
-    """Names the first leaf whose checkpointed shape differs from the target's."""
-    saved = {_key(p): m for p, m in jax.tree_util.tree_leaves_with_path(metadata)}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
-        key = _key(path)
+def _short(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = text.split(" See full TensorStore details")[0]  # a repr of the whole spec follows
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# The helper of Checkpointer.remove_temporary_after_exit: argv = [pid, glob pattern].
+_REMOVE_AFTER_EXIT = """
+import glob, os, shutil, sys, time
+pid, pattern = int(sys.argv[1]), sys.argv[2]
+deadline = time.time() + 120
+while time.time() < deadline:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # exited; its parent has not reaped it yet
+    except FileNotFoundError:
+        break
+    except OSError:  # no /proc: ask the process table
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            break
+    time.sleep(0.02)
+for path in glob.glob(pattern):
+    shutil.rmtree(path, ignore_errors=True)
+"""
+
+
+def all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (every process must call this)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _first_mismatch(abstract, metadata) -> tuple[str, str] | None:
+    """``(leaf path, what differs)`` for the first leaf (parameters first) whose
+    checkpointed shape differs from the target's, or that only one of them has."""
+    # Metadata comes back as nested dicts where the state had NamedTuples: compare
+    # paths by their names only.
+    saved = {_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(metadata)}
+    wanted = {_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    for key in sorted(wanted, key=lambda k: not k.startswith("params/")):
         if key not in saved:
-            return f"{key} is not in the checkpoint"
+            return key, f"{key} is not in the checkpoint"
         shape = tuple(getattr(saved[key], "shape", ()) or ())
-        if shape != tuple(leaf.shape):
-            return f"{key} has shape {shape} in the checkpoint but {tuple(leaf.shape)} here"
-    return None
+        if shape != tuple(wanted[key].shape):
+            return key, (
+                f"{key} has shape {shape} in the checkpoint but {tuple(wanted[key].shape)} here"
+            )
+    extra = sorted(set(saved) - set(wanted))
+    return (extra[0], f"the checkpoint has {extra[0]}, which this run does not") if extra else None
+
+
+def tree_metadata(directory: str | epath.PathLike) -> Any:
+    """Shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) of the Orbax PyTree
+    checkpoint in ``directory`` (a ``state`` item, or a ``trainer.export``)."""
+    path = storage.path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no directory {path}")
+    metadata = ocp.PyTreeCheckpointer().metadata(path).item_metadata
+    if metadata is None:
+        raise ValueError(f"{path} is not an Orbax checkpoint")
+    metadata = metadata.tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), metadata)
+
+
+def restore_tree(directory: str | epath.PathLike, target: dict) -> dict:
+    """Reads only the leaves of ``target`` from the Orbax PyTree checkpoint in
+    ``directory``, straight into their shardings and dtypes.
+
+    Args:
+      directory: the checkpoint (a ``state`` item, or a ``trainer.export``).
+      target: a nested dict, a subset of the saved tree, of ``jax.ShapeDtypeStruct``
+        with shardings.
+    """
+    kept = {k: v for k, v in target.items() if jax.tree.leaves(v)}  # orbax refuses empty ones
+    restored = ocp.PyTreeCheckpointer().restore(
+        storage.path(directory),
+        args=ocp.args.PyTreeRestore(
+            item=kept,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(kept),
+            partial_restore=True,
+        ),
+    )
+    return {k: restored[k] if k in kept else v for k, v in target.items()}
 
 
 class Checkpointer:
     """Saves and restores train states under ``workdir/checkpoints``.
 
     Args:
-      workdir: the run directory.
-      keep: how many of the latest checkpoints to keep.
+      workdir: the run directory (a local path or a URL such as ``gs://b/run``).
+      keep: how many of the latest complete checkpoints to keep (>= 1).
       async_save: write in the background while training continues.
+      read_only: only read (``trainer.export``): creates, cleans up and moves nothing.
     """
 
-    def __init__(self, workdir: str, *, keep: int, async_save: bool = True):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-        self._manager = ocp.CheckpointManager(
+    def __init__(
+        self,
+        workdir: str | epath.PathLike,
+        *,
+        keep: int,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        orbax_output.quiet()
+        self.directory = storage.path(workdir) / "checkpoints"
+        self._read_only = read_only
+        self._pending: int | None = None  # the step of the save in flight
+        self._failure: str | None = None  # why the last save failed, once known
+        self.abandoned: int | None = None  # the step of a save given up (Orbax lists it)
+        with orbax_output.probing():  # the manager reads the metadata of every step
+            self._manager = self._make_manager(keep, async_save)
+
+    def _make_manager(self, keep: int, async_save: bool) -> ocp.CheckpointManager:
+        read_only = self._read_only
+        return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+                max_to_keep=None if read_only else keep,
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                read_only=read_only,
+                # Leftovers of saves cut short; only a run holding the work
+                # directory lock gets here, so none of them is being written.
+                cleanup_tmp_directories=not read_only,
             ),
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
@@ -115,11 +268,79 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
-        self._manager.reload()  # another process may have written since
-        return sorted(self._manager.all_steps())
+        with orbax_output.probing():  # the manager reads the metadata of every step
+            self._manager.reload()  # another process may have written since
+            return sorted(self._manager.all_steps())
+
+    def newest(self, *, listed: bool = True) -> int | None:
+        """The step of the newest complete checkpoint, if any.
+
+        Args:
+          listed: list the directory; False answers from what this process knows
+            (no I/O, for a thread that must not race the main one).
+        """
+        steps = self.steps() if listed else self._manager.all_steps()
+        return max((s for s in steps if s != self.abandoned), default=None)
+
+    def state_directory(self, step: int) -> epath.Path:
+        """Where the ``state`` item of checkpoint ``step`` is (for readers that
+        restore part of it without this class)."""
+        return self.directory / str(step) / "state"
+
+    # -- Reading parts of a checkpoint (trainer.evaluate, trainer.translate, init_from) --
+
+    @staticmethod
+    def exists(workdir: str | epath.PathLike) -> bool:
+        """Whether ``workdir`` is a run directory with a checkpoints folder (without
+        creating one, as constructing a Checkpointer would)."""
+        return (storage.path(workdir) / "checkpoints").is_dir()
+
+    def resolve_step(self, step: int | None = None) -> int:
+        """``step``, or the newest complete checkpoint's if None.
+
+        Raises:
+          CheckpointError: if there is no such checkpoint.
+        """
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory}; there are {steps}"
+            )
+        return step
+
+    def state_metadata(self, step: int) -> dict:
+        """Shapes and dtypes of the saved train state of ``step`` (logical shapes)."""
+        metadata = self._manager.item_metadata(step)["state"]
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), metadata)
+
+    def restore_state_parts(self, step: int, target: dict) -> dict:
+        """Reads only some entries of the train state of ``step`` (e.g. ``params`` and
+        ``model_state``, not the optimizer state) into ``target``'s shardings; see
+        :func:`restore_tree`.
+
+        Raises:
+          CheckpointMismatchError: naming the first leaf whose shape differs.
+        """
+        saved = {k: v for k, v in self.state_metadata(step).items() if k in target}
+        mismatch = _first_mismatch(target, saved)
+        if mismatch:
+            raise CheckpointMismatchError(
+                f"checkpoint {step} in {self.directory} does not fit this config: {mismatch[1]}"
+            )
+        return restore_tree(self.state_directory(step), target)
 
     def save(self, step: int, logical_state, data_state, config: ml_collections.ConfigDict):
-        """Starts saving (returns before the write finishes if async)."""
+        """Starts saving (returns before the write finishes if async).
+
+        Raises:
+          SaveFailedError: if the previous save failed.
+        """
+        self.wait()
+        self._pending = step
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -130,32 +351,152 @@ class Checkpointer:
             force=True,
         )
 
-    def restore(self, abstract_logical_state) -> tuple[int, Any, Any] | None:
+    def failure(self) -> str | None:
+        """Why the save in flight failed, if it has finished and failed; never blocks."""
+        done = self._pending is not None and not self._manager.is_saving_in_progress()
+        if self._failure is None and done:
+            with contextlib.suppress(SaveFailedError):
+                self.wait()
+        return self._failure
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is complete.
+
+        Raises:
+          SaveFailedError: if it failed (its temporary directory is removed).
+        """
+        if self._failure is not None:
+            raise SaveFailedError(self._failure)
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001  (any write error of any item)
+            step, self._pending = self._pending, None
+            self.remove_temporary(step)
+            cause = re.search(_DISK_ERRORS, str(e))
+            self._failure = f"saving the checkpoint of step {step} in {self.directory} failed: " + (
+                f"{cause.group(0)} ({_short(e, 200)})" if cause else _short(e)
+            )
+            raise SaveFailedError(self._failure) from None
+        self._pending = None
+
+    def remove_temporary(self, step: int | None) -> None:
+        """Removes what a save of ``step`` left unfinished (process 0; None: nothing).
+
+        Writer threads of a failed or abandoned save may still add files (and
+        directories) meanwhile: removes until none has reappeared for 0.3s, for at
+        most 10s. A later run removes any leftover (``cleanup_tmp_directories``).
+        """
+        if step is None or jax.process_index() != 0 or self._read_only:
+            return
+        deadline, quiet = time.monotonic() + 10, 0
+        while quiet < 3 and time.monotonic() < deadline:
+            paths = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            quiet = 0 if paths else quiet + 1
+            for path in paths:
+                with contextlib.suppress(OSError):  # a writer added a file meanwhile
+                    if path.is_dir():
+                        path.rmtree(missing_ok=True)
+                    else:
+                        path.unlink(missing_ok=True)
+            time.sleep(0.1)
+
+    def remove_temporary_after_exit(self, step: int | None) -> None:
+        """Removes what an abandoned save of ``step`` left, once this process has
+        exited (process 0; None: nothing): its writer threads die with the
+        process, and until then may re-create what is removed. A small helper
+        process waits for this one to end, then removes it. In an object store,
+        one pass now; the next run removes the rest (``cleanup_tmp_directories``).
+        """
+        if step is None or jax.process_index() != 0 or self._read_only:
+            return
+        pattern = f"{step}.orbax-checkpoint-tmp*"
+        if storage.is_remote(self.directory):
+            for path in self.directory.glob(pattern):
+                with contextlib.suppress(OSError):
+                    path.rmtree(missing_ok=True) if path.is_dir() else path.unlink(missing_ok=True)
+            return
+        subprocess.Popen(
+            [sys.executable, "-S", "-c", _REMOVE_AFTER_EXIT, str(os.getpid()),
+             os.path.join(os.fspath(self.directory), pattern)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a second Ctrl-C to the terminal's group spares it
+        )  # fmt: skip
+
+    def abandon(self) -> int | None:
+        """Gives up the save in flight without waiting (a peer died, or Ctrl-C
+        twice); returns its step. The caller removes its temporary directory
+        (:meth:`remove_temporary`) once nothing more is to be printed: its
+        writer threads then fail, and print tracebacks on their way out."""
+        step, self._pending = self._pending, None
+        if step is None or (self.directory / str(step)).exists():  # it had completed
+            return None
+        self.abandoned = step
+        return step
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the manager.
+
+        Raises:
+          SaveFailedError: if that save failed (its temporary directory removed).
+        """
+        try:
+            self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001  (Orbax raises a failed save at every wait)
+                if self._failure is None:
+                    raise
+
+    def restore(
+        self, abstract_logical_state, *, optimizer: str | None = None
+    ) -> tuple[int, Any, Any] | None:
         """Restores the newest readable checkpoint into the given abstract state.
+
+        Unreadable checkpoints on the way are moved to ``checkpoints/corrupt/``.
+
+        Args:
+          abstract_logical_state: ShapeDtypeStructs (with shardings) to restore into.
+          optimizer: this run's ``optimizer.name``, to say so if the checkpoint's
+            differs (None: not known, e.g. a reader without the run's config).
 
         Returns:
           ``(step, logical_state_dict, data_state)``, or None if there are no
-          checkpoints.
+          readable checkpoints.
 
         Raises:
-          CheckpointMismatchError: naming the first parameter whose shape differs.
-          CheckpointError: when checkpoints exist but none can be read.
+          CheckpointMismatchError: naming the first parameter or optimizer-state
+            leaf that differs.
         """
-        steps = self.steps()
-        target = abstract_logical_state._asdict()
-        problems = []
-        for step in reversed(steps):
+        with orbax_output.probing():
+            return self._restore(abstract_logical_state._asdict(), optimizer)
+
+    def _restore(self, target: dict, optimizer: str | None) -> tuple[int, Any, Any] | None:
+        for step in reversed(self.steps()):
             try:
-                metadata = self._manager.item_metadata(step)["state"]
-                mismatch = _first_mismatch(target, metadata)
-            except Exception as e:  # noqa: BLE001  (any unreadable file: try older ones)
-                mismatch, problems = None, [*problems, f"step {step}: {type(e).__name__}: {e}"]
-                print(f"warning: checkpoint {step} is unreadable ({e}); trying an older one",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                saved = self._manager.restore(
+                    step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+                )["config"]
+                mismatch = _first_mismatch(target, self._manager.item_metadata(step)["state"])
+                problem = None
+            except Exception as e:  # noqa: BLE001  (any unreadable part: try an older one)
+                mismatch, problem = None, e
+            if not all_processes(problem is None):
+                self._move_aside(step, problem)
                 continue
             if mismatch:
+                key, what = mismatch
+                saved_optimizer = saved.get("optimizer", {}).get("name", "?")
+                if key.startswith("opt_state/") and optimizer and saved_optimizer != optimizer:
+                    what = (
+                        f"it was saved with optimizer {saved_optimizer} and this run uses "
+                        f"{optimizer}, whose state differs ({what}); resume with "
+                        f"--config.optimizer.name={saved_optimizer} or use another --workdir"
+                    )
+                elif key.startswith("opt_state/"):
+                    what = f"its optimizer state differs ({what})"
                 raise CheckpointMismatchError(
-                    f"checkpoint {step} in {self.directory} does not fit this config: {mismatch}"
+                    f"checkpoint {step} in {self.directory} does not fit this config: {what}"
                 )
             try:
                 restored = self._manager.restore(
@@ -164,29 +505,41 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(target), data=DataStateRestore()
                     ),
                 )
-            except CheckpointError:
-                raise
+                problem = None
             except Exception as e:  # noqa: BLE001
-                problems.append(f"step {step}: {type(e).__name__}: {e}")
-                print(f"warning: checkpoint {step} is unreadable ({e}); trying an older one",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                problem = e
+            if not all_processes(problem is None):
+                self._move_aside(step, problem)
                 continue
             return step, restored["state"], restored["data"]
-        if steps:
-            raise CheckpointError(
-                f"none of the checkpoints {steps} in {self.directory} can be read "
-                f"({'; '.join(problems)[:500]}); move the directory away to start over"
-            )
         return None
+
+    def _move_aside(self, step: int, problem: BaseException | None) -> None:
+        """Moves unreadable checkpoint ``step`` into ``corrupt/`` (process 0), so
+        the next save of that step finds the name free. A read-only reader
+        only warns."""
+        if self._read_only:
+            errors.warn(f"checkpoint {step} is unreadable ({_short(problem)}); trying an older one")
+            return
+        if jax.process_index() == 0:
+            corrupt = self.directory / CORRUPT
+            corrupt.mkdir(parents=True, exist_ok=True)
+            readme = corrupt / "README"
+            if not readme.exists():  # also makes the "directory" exist in object stores
+                readme.write_text(
+                    "Checkpoints the trainer could not read, moved here with the time of the "
+                    "move. Inspect or delete them; move one back to retry it.\n"
+                )
+            destination = corrupt / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            why = _short(problem) if problem is not None else "unreadable on another process"
+            (self.directory / str(step)).rename(destination)
+            errors.warn(
+                f"checkpoint {step} is unreadable ({why}); moved it to {destination}; trying an "
+                "older one"
+            )
+        all_processes(True)  # the others wait for the move
+        self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether JAX's preemption service asks all hosts to stop at ``step``."""
         return self._manager.reached_preemption(step)
-
-    def wait(self) -> None:
-        """Blocks until the last save is on disk."""
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
-        self._manager.close()

@@ -1,0 +1,225 @@
+"""Soak test of stopping and resuming: N runs stopped at random, each resumed.
+
+    python scripts/soak.py --count 30 [--seed 0] [--dir /tmp/soak]
+
+First one uninterrupted run of the tiny Transformer (the reference). Then, in
+one work directory, runs that are each stopped at random: an external SIGKILL,
+SIGTERM, Ctrl-C or Ctrl-C twice after a random delay, or an injected fault at a
+random pass through a random point (``WUS_FAULT``: compile, loop, mid-save,
+eval; kill, term, int, int2 or a full disk; see trainer/faults.py). Every run
+resumes what the previous left. After each run the script checks: no traceback,
+at most one ``error:`` line, the exit code the stop implies, only complete
+checkpoints listed, and the newest one the run names is the newest listed. Each
+time a run reaches the last step, its metrics (every row, timing fields aside)
+must equal the reference's; the work directory then starts afresh.
+
+Prints one line per run and a summary; exits 1 if any check failed. The logs of
+every run stay under ``--dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 16
+TIMING = {"steps_per_sec", "examples_per_sec", "mfu", "tokens_per_sec"}
+# Injection points and how many times a run from step 0 passes each (compile once,
+# a loop and a save every 2 steps, one eval batch every 8 steps).
+PASSES = {"compile": 1, "loop": STEPS // 2, "save": STEPS // 2, "eval": STEPS // 8}
+ACTIONS = ("kill", "term", "int", "int2", "enospc")
+SIGNALS = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT],
+           "int2": [signal.SIGINT, signal.SIGINT]}  # fmt: skip
+
+
+def expected_codes(way: str, out: str) -> set[int]:
+    """The exit codes a run stopped ``way`` may give, given what it printed (a
+    fault at a pass the run never reaches, or a signal after the end, does nothing)."""
+    if way == "kill":
+        return {-9, 0}
+    if way in ("int", "int2"):
+        return {130} if "Ctrl-C" in out else {0}
+    if way == "enospc":
+        return {1} if "No space left on device" in out else {0}
+    return {0}  # term, or no stop at all
+
+
+def command(workdir: str, data_dir: str, cache: str) -> list[str]:
+    return [
+        sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
+        "--workdir", workdir, "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
+        f"--config.compilation_cache_dir={cache}", f"--config.num_train_steps={STEPS}",
+        "--config.steps_per_loop=2", "--config.log_every_steps=2",
+        "--config.eval_every_steps=8", "--config.checkpoint_every_steps=2",
+        "--config.data.num_eval_examples=16", "--config.max_decode_length=8",
+    ]  # fmt: skip
+
+
+def start(workdir: str, args, fault: str | None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    env.pop("WUS_FAULT", None)
+    if fault:
+        env["WUS_FAULT"] = fault
+    return subprocess.Popen(
+        command(workdir, args.data_dir, args.cache), cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def rows(workdir: str) -> dict[int, dict]:
+    """The metrics rows by step, timing fields aside (each step must appear once)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    out: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["step"] in out:
+                raise AssertionError(f"step {row['step']} logged twice")
+            out[row["step"]] = {k: v for k, v in row.items() if k not in TIMING}
+    return out
+
+
+def listed(workdir: str) -> list[int]:
+    directory = os.path.join(workdir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def check(workdir: str, way: str, code: int, out: str) -> list[str]:
+    """The problems with one run's outcome (empty if none)."""
+    problems = []
+    if "Traceback" in out:
+        problems.append("traceback in the output")
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    if len(errors) > 1:
+        problems.append(f"{len(errors)} error lines")
+    ended = f"newest complete checkpoint: step {STEPS} " in out  # the run's last line
+    if code in (-signal.SIGINT, -signal.SIGTERM) and ended and way in ("int", "int2", "term"):
+        pass  # the signal came during the interpreter's exit, after the run ended
+    elif code not in (allowed := expected_codes(way, out)):
+        problems.append(f"exit code {code}, expected one of {sorted(allowed)}")
+    if way == "enospc" and code == 1 and "No space left on device" not in "".join(errors):
+        problems.append(f"full disk not named: {errors}")
+    steps = listed(workdir)
+    incomplete = [
+        step
+        for step in steps
+        if not os.path.exists(os.path.join(workdir, "checkpoints", str(step), "commit_success.txt"))
+    ]
+    # A kill while retention deletes an old checkpoint leaves part of it (Orbax
+    # deletes in place); harmless while a newer complete one exists.
+    if incomplete and max(incomplete) == max(steps):
+        problems.append(f"the newest checkpoint {max(steps)} is not complete")
+    named = re.findall(r"newest complete checkpoint: step (\d+)", out)
+    if named and way != "kill" and int(named[-1]) != max(steps, default=-1):
+        problems.append(f"says newest is {named[-1]} but {steps} are listed")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--count", type=int, required=True, help="runs stopped at random")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", default="/tmp/wus-soak", help="work area (emptied first)")
+    args = parser.parse_args()
+    if args.count < 1:
+        print(f"error: --count must be >= 1, got {args.count}", file=sys.stderr)
+        return 2
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    args.data_dir = os.path.join(args.dir, "tfds")
+    args.cache = os.path.join(args.dir, "compilation_cache")
+    rng = random.Random(args.seed)
+
+    start_s = time.time()
+    reference_dir = os.path.join(args.dir, "reference")
+    proc = start(reference_dir, args, None)
+    out = proc.communicate()[0]
+    if proc.returncode != 0:
+        print(out[-3000:])
+        print("error: the reference run failed", file=sys.stderr)
+        return 1
+    reference = rows(reference_dir)
+    print(f"reference: {len(reference)} rows, {time.time() - start_s:.0f}s", flush=True)
+
+    workdir = os.path.join(args.dir, "run")
+    failures, finished, compared, stopped_runs = 0, 0, 0, 0
+    run_index = 0
+    while stopped_runs < args.count or finished == 0 or os.path.exists(workdir):
+        last = stopped_runs >= args.count  # all stops done: run to the end
+        run_index += 1
+        if last:
+            way, fault, delay = "none", None, None
+        elif rng.random() < 0.5:
+            way = rng.choice(ACTIONS)
+            where = rng.choice(sorted(PASSES))
+            fault = f"{where}:{way}:{rng.randint(1, PASSES[where])}"
+            delay = None
+        else:
+            way = rng.choice(("kill", "term", "int", "int2"))
+            fault, delay = None, rng.uniform(2.0, 25.0)
+        began = time.time()
+        before = listed(workdir)
+        proc = start(workdir, args, fault)
+        if delay is not None:
+            try:
+                proc.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                for signum in SIGNALS[way]:
+                    proc.send_signal(signum)
+                    time.sleep(0.05)
+        out = proc.communicate(timeout=600)[0]
+        with open(os.path.join(args.dir, f"run{run_index:03d}.log"), "w") as f:
+            f.write(f"# fault={fault} way={way} delay={delay} rc={proc.returncode}\n{out}")
+        if not last:
+            stopped_runs += 1
+        problems = check(workdir, way, proc.returncode, out)
+        try:
+            got = rows(workdir)
+        except AssertionError as e:
+            problems.append(str(e))
+            got = {}
+        done = STEPS in listed(workdir) and STEPS in got
+        if done:
+            finished += 1
+            mismatched = [s for s in reference if got.get(s) != reference[s]]
+            if mismatched:
+                problems.append(f"metrics differ from the reference at steps {mismatched}")
+            else:
+                compared += 1
+        what = fault or (f"{way} after {delay:.1f}s" if delay is not None else "to the end")
+        print(
+            f"run {run_index:3d}: {what:24s} rc {proc.returncode:4d} | checkpoints {before} -> "
+            f"{listed(workdir)} | {time.time() - began:4.0f}s"
+            f"{' | finished, equal to the reference' if done and not problems else ''}"
+            f"{' | PROBLEMS: ' + '; '.join(problems) if problems else ''}",
+            flush=True,
+        )
+        failures += bool(problems)
+        if last and not done:
+            break  # the run to the end did not get there (reported above)
+        if done:
+            shutil.rmtree(workdir)  # start afresh
+    print(
+        f"soak: {stopped_runs} stopped runs, {run_index} runs in all, {finished} reached the "
+        f"last step ({compared} equal to the reference), {failures} with problems, "
+        f"{time.time() - start_s:.0f}s",
+        flush=True,
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

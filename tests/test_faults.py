@@ -1,0 +1,201 @@
+"""Fault injection through the command line: kills, signals, a full disk and broken
+checkpoints at deterministic points (``WUS_FAULT``, see trainer/faults.py), each
+followed by a resume; the resumed runs' losses equal an uninterrupted run's.
+
+Each test is a chain of runs in one work directory (each run resumes what the
+previous one left), so a few runs cover many faults; the randomized version is
+``scripts/soak.py``.
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8  # 4 loops of 2 steps, a checkpoint after each
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The data directory and a compilation cache shared by every run here."""
+    root = tmp_path_factory.mktemp("faults")
+    return str(root / "tfds"), str(root / "compilation_cache")
+
+
+def run(shared, workdir, fault=None, *overrides, timeout=300):
+    """``python -m trainer`` as a user runs it, with ``WUS_FAULT=fault``."""
+    data_dir, cache = shared
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    env.pop("WUS_FAULT", None)
+    if fault:
+        env["WUS_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
+         "--workdir", str(workdir), "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
+         f"--config.compilation_cache_dir={cache}", f"--config.num_train_steps={STEPS}",
+         "--config.steps_per_loop=2", "--config.log_every_steps=2",
+         "--config.eval_every_steps=0", "--config.checkpoint_every_steps=2",
+         "--config.data.num_eval_examples=16", "--config.max_decode_length=8", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def losses(workdir) -> dict[int, float]:
+    """``{step: loss}`` from metrics.jsonl, each step logged exactly once."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [row["step"] for row in rows]
+    assert len(steps) == len(set(steps)), f"repeated rows: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def steps(workdir) -> list[str]:
+    """The entries of ``checkpoints/`` (complete steps, temporary directories, corrupt/)."""
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def clean(result) -> str:
+    """The run's output, after checking it has no traceback and no temporary directory."""
+    out = result.stdout + result.stderr
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+def no_temporary(workdir) -> None:
+    assert not glob.glob(os.path.join(workdir, "checkpoints", "*tmp*")), steps(workdir)
+
+
+@pytest.fixture(scope="module")
+def reference(shared, tmp_path_factory):
+    """The losses of the uninterrupted run."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = run(shared, workdir)
+    assert result.returncode == 0, clean(result)[-3000:]
+    expected = losses(workdir)
+    assert sorted(expected) == [2, 4, 6, 8]
+    return expected
+
+
+def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference, tmp_path):
+    workdir = str(tmp_path)
+    # kill -9 while compiling: nothing saved.
+    result = run(shared, workdir, "compile:kill")
+    assert result.returncode == -9
+    assert steps(workdir) == []
+    # kill -9 in the middle of the second save (step 4, its temporary directory written).
+    result = run(shared, workdir, "save:kill:2")
+    assert result.returncode == -9
+    assert steps(workdir) == ["2", "4.orbax-checkpoint-tmp"]
+    # SIGTERM while a loop runs: resumes from 2, saves 4 and exits 0; the cut save is removed.
+    result = run(shared, workdir, "loop:term")
+    out = clean(result)
+    assert result.returncode == 0, out[-3000:]
+    assert "took over the work directory lock of a run that is no longer running" in out
+    assert "resumed from the checkpoint of step 2" in out
+    assert "preempted: saved step 4; newest complete checkpoint: step 4" in out
+    assert steps(workdir) == ["2", "4"]
+    # Ctrl-C twice while saving step 6: the save is abandoned, nothing half-written is left.
+    result = run(shared, workdir, "save:int2")
+    out = clean(result)
+    assert result.returncode == 130, out[-3000:]
+    assert "stopped now (Ctrl-C twice): abandoned the save of step 6; newest complete " \
+        "checkpoint: step 4" in out  # fmt: skip
+    # Its temporary directory is removed once the process (and its writers) is gone.
+    deadline = time.time() + 30
+    while steps(workdir) != ["2", "4"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert steps(workdir) == ["2", "4"]
+    # Ctrl-C during the final evaluation: finishes the loop, saves 8 and exits 130.
+    result = run(shared, workdir, "eval:int")
+    out = clean(result)
+    assert result.returncode == 130, out[-3000:]
+    assert "interrupted (Ctrl-C): saved step 8; newest complete checkpoint: step 8" in out
+    no_temporary(workdir)
+    assert losses(workdir) == reference
+
+
+def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
+    shared, reference, tmp_path
+):
+    workdir = str(tmp_path)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    # A full disk at the second save: one error line, as soon as the next loop ends.
+    result = run(shared, workdir, "save:enospc:2")
+    out = clean(result)
+    assert result.returncode == 1, out[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "saving the checkpoint of step 4" in errors[0], out[-3000:]
+    assert "No space left on device" in errors[0]
+    assert steps(workdir) == ["2"]
+    # An empty directory of step 4 (a save cut short by hand): moved aside, 4 is saved again.
+    os.mkdir(os.path.join(checkpoints, "4"))
+    result = run(shared, workdir)
+    out = clean(result)
+    assert result.returncode == 0, out[-3000:]
+    assert "warning: checkpoint 4 is unreadable" in out
+    assert "resumed from the checkpoint of step 2" in out
+    assert steps(workdir) == ["4", "6", "8", "corrupt"]
+    # Truncated arrays in the newest checkpoint, no input position in the one before.
+    for path in glob.glob(os.path.join(checkpoints, "8", "state", "ocdbt.process_0", "d", "*")):
+        os.truncate(path, 16)
+    os.remove(os.path.join(checkpoints, "6", "data", "position.json"))
+    shutil.copytree(workdir, str(tmp_path / "export_copy"))  # for the export test below
+    result = run(shared, workdir)
+    out = clean(result)
+    assert result.returncode == 0, out[-3000:]
+    assert "warning: checkpoint 8 is unreadable" in out
+    assert "warning: checkpoint 6 is unreadable" in out
+    assert "resumed from the checkpoint of step 4" in out
+    moved = sorted(name.split("-")[0] for name in os.listdir(os.path.join(checkpoints, "corrupt")))
+    assert moved == ["4", "6", "8", "README"]
+    assert losses(workdir) == reference
+
+    # A resume with another optimizer is refused, by name, and config.json is kept.
+    with open(os.path.join(workdir, "config.json")) as f:
+        config_json = f.read()
+    result = run(shared, workdir, None, "--config.optimizer.name=sgd")
+    out = clean(result)
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip().splitlines()[-1].startswith("error: checkpoint 8 in")
+        and "saved with optimizer adam and this run uses sgd" in result.stderr
+    ), out[-3000:]
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert f.read() == config_json
+    assert steps(workdir) == ["4", "6", "8", "corrupt"]  # nothing called unreadable
+
+    # trainer.export of the truncated checkpoint: one line, and --out must be new.
+    def export(*args):
+        env = dict(os.environ, PYTHONPATH=REPO)
+        env.pop("XLA_FLAGS", None)
+        return subprocess.run(
+            [sys.executable, "-m", "trainer.export", "--workdir", str(tmp_path / "export_copy"),
+             *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    result = export("--out", str(tmp_path / "params"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        result.stderr.strip().splitlines()[-1].startswith("error: checkpoint 8 in")
+        and "is unreadable" in result.stderr
+        and "--step" in result.stderr
+    )
+    os.mkdir(tmp_path / "export_copy" / "checkpoints" / "10")  # an empty step directory
+    result = export("--out", str(tmp_path / "params"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint 10 in {tmp_path / 'export_copy' / 'checkpoints'} is unreadable (its "
+        "state has no metadata (an empty or cut step directory?)); export another with --step "
+        "(there are [4, 6, 8])"
+    ]
+    result = export("--out", str(tmp_path / "export_copy"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "already exists" in result.stderr.strip().splitlines()[-1]

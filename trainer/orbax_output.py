@@ -1,0 +1,94 @@
+"""What of Orbax's output reaches the user.
+
+Orbax logs the errors of its background threads with tracebacks, and warns
+about every broken file while a checkpoint is probed; the same problems reach
+the run through :class:`trainer.checkpoint.Checkpointer`, which reports each
+once, in one line. So :func:`quiet` drops those records, the tracebacks
+TensorStore prints for writes that end after their save failed, and those of
+Orbax's read coroutines that are collected after a restore failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+
+class _DropErrors(logging.Filter):
+    """Drops Orbax's error records (tracebacks of its background threads), its
+    warnings while a restore probes checkpoints, and asyncio's "exception was
+    never retrieved" about its futures: the same problems reach the run through
+    the Checkpointer, which reports each once."""
+
+    probing = False  # set while the Checkpointer reads possibly broken checkpoints
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        level = logging.WARNING if _DropErrors.probing else logging.ERROR
+        if record.levelno >= level and "/orbax/" in record.pathname:
+            return False
+        return "exception was never retrieved" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Orbax's warnings are dropped meanwhile (see _DropErrors)."""
+    _DropErrors.probing = True
+    try:
+        yield
+    finally:
+        _DropErrors.probing = False
+
+
+def quiet() -> None:
+    """Installs the filters (idempotent; the Checkpointer calls it)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropErrors) for f in logger.filters):
+            logger.addFilter(_DropErrors())
+    if not getattr(sys.excepthook, "drops_closed_loop_callbacks", False):
+        sys.excepthook = _drop_closed_loop_callbacks(sys.excepthook)
+    if not getattr(sys.unraisablehook, "drops_orbax_coroutines", False):
+        sys.unraisablehook = _drop_orbax_coroutines(sys.unraisablehook)
+
+
+def _drop_closed_loop_callbacks(hook):
+    """``sys.excepthook`` without the tracebacks of writes that end after their
+    save failed: Orbax's event loop is closed by then, and TensorStore reports
+    each completion's ``call_soon_threadsafe`` failure through the hook. The
+    failure itself reaches the run once (:meth:`Checkpointer.failure`)."""
+
+    def excepthook(kind, value, tb):
+        last = tb
+        while last is not None and last.tb_next is not None:
+            last = last.tb_next
+        if (
+            kind is RuntimeError
+            and str(value) == "Event loop is closed"
+            and last is not None
+            and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+        ):
+            return
+        hook(kind, value, tb)
+
+    excepthook.drops_closed_loop_callbacks = True
+    return excepthook
+
+
+def _drop_orbax_coroutines(hook):
+    """``sys.unraisablehook`` without Orbax's read coroutines: when one array of a
+    broken checkpoint fails to read, the reads of its other shards fail too and
+    are collected unawaited, each printing "Exception ignored in" with a
+    traceback, at a time that depends on the garbage collector. The failure
+    itself reaches the run once, as the checkpoint being unreadable."""
+
+    def unraisablehook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+            return
+        hook(unraisable)
+
+    unraisablehook.drops_orbax_coroutines = True
+    return unraisablehook

@@ -1,0 +1,169 @@
+"""SIGTERM and Ctrl-C: stop requests, and a second Ctrl-C that stops now.
+
+Installed by ``python -m trainer`` before anything slow (this module imports
+nothing heavy), and by ``train()`` for its own duration when called as a library.
+
+* SIGTERM (a scheduler's notice; ``launch.local`` passing one on) and the first
+  SIGINT (Ctrl-C) ask the run to stop at the next loop boundary: it saves,
+  waits for the save and exits (0 after SIGTERM, 130 after Ctrl-C).
+* A second SIGINT stops now, even inside a long compile: the callbacks the run
+  registered abandon the save in flight (its temporary directory removed), stop
+  the data workers and release the lock; one line says which checkpoint is the
+  newest complete one, and the process exits 130.
+
+CPython runs Python signal handlers only when the main thread runs Python
+again (minutes later inside an XLA compile), so a thread reads the signals from
+``signal.set_wakeup_fd``, which the C-level handler writes at once.
+
+SIGINT is blocked in every thread but that reader (threads and processes
+inherit the mask of the thread that starts them), so the data workers, which
+are in the terminal's process group too, never see a Ctrl-C: the trainer
+stops them itself, instead of each dying with a KeyboardInterrupt traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
+
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C
+
+
+class Signals:
+    """The stop requests this process received (see the module docstring)."""
+
+    def __init__(self):
+        self.first: str | None = None  # "SIGTERM" or "SIGINT": the first stop request
+        self.count = 0  # SIGTERMs and SIGINTs received (two sent at once may arrive as one)
+        self._interrupts = 0
+        self._stop_now: list[Callable[[], str | None]] = []
+        self._last: list[Callable[[], None]] = []
+
+    def on_stop_now(
+        self, callback: Callable[[], str | None], last: Callable[[], None] | None = None
+    ) -> None:
+        """On a second Ctrl-C, runs ``callback`` (from another thread; its return
+        value joins the final line), then prints that line, then runs ``last``
+        (cleanup that must come after everything else, just before the exit)."""
+        self._stop_now.append(callback)
+        if last is not None:
+            self._last.append(last)
+
+    def received(self, signum: int) -> None:
+        """Counts one signal (called by the reader thread; tests may call it)."""
+        self.count += 1
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts >= 2:
+                self._exit_now()
+        if self.first is None and signum in (signal.SIGTERM, signal.SIGINT):
+            self.first = signal.Signals(signum).name
+            what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+            again = " (Ctrl-C again to stop now)" if signum == signal.SIGINT else ""
+            _say(f"{what}: saving at the end of the current loop, then stopping{again}")
+
+    def _exit_now(self) -> None:
+        parts = []
+        for callback in self._stop_now:
+            try:
+                parts.append(callback())
+            except Exception as e:  # noqa: BLE001  (going down anyway: say it, go on)
+                parts.append(f"({type(e).__name__}: {e})")
+        for child in multiprocessing.active_children():  # data workers not stopped above
+            child.kill()
+        detail = "; ".join(p for p in parts if p)
+        _say(f"stopped now (Ctrl-C twice){': ' + detail if detail else ''}")
+        silence()  # the cleanup below makes the threads still writing fail, loudly
+        for last in self._last:
+            with contextlib.suppress(Exception):
+                last()
+        os._exit(EXIT_INTERRUPTED)
+
+
+def silence() -> None:
+    """Sends this process's stdout and stderr to /dev/null from now on: for the
+    last moments of a process that has said its last line and exits at once."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+
+
+def _say(line: str) -> None:
+    """One line on stderr; the reader thread must outlive a closed stderr (a dead launcher)."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
+_installed: tuple[Signals, Callable[[], None]] | None = None
+
+
+def install() -> Signals:
+    """Installs the SIGTERM/SIGINT handling for the rest of the process (idempotent).
+
+    Off the main thread (where signals cannot be handled) the result never fires.
+    """
+    global _installed
+    if _installed is not None:
+        return _installed[0]
+    signals = Signals()
+    if threading.current_thread() is not threading.main_thread():
+        return signals
+    # multiprocessing unblocks SIGINT in the thread that first starts its
+    # resource tracker (CPython's resource_tracker.ensure_running): start it now,
+    # and quiet: after Ctrl-C twice it frees what the killed data workers held,
+    # with a warning for each kind.
+    options = list(sys.warnoptions)
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions[:] = options
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def read() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the one taker
+        while data := os.read(read_fd, 64):
+            for signum in data:
+                signals.received(signum)
+        os.close(read_fd)
+
+    threading.Thread(target=read, name="signals", daemon=True).start()
+
+    def uninstall() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        signal.set_wakeup_fd(previous_fd)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        os.close(write_fd)  # the reader sees the end and exits
+
+    _installed = (signals, uninstall)
+    return signals
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[Signals]:
+    """The process's :class:`Signals`; installed for the duration if nobody had."""
+    global _installed
+    if _installed is not None or threading.current_thread() is not threading.main_thread():
+        yield install()
+        return
+    signals = install()
+    try:
+        yield signals
+    finally:
+        uninstall = _installed[1]
+        _installed = None
+        uninstall()
