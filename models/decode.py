@@ -1,7 +1,8 @@
-"""Autoregressive decoding for `models.transformer.Transformer`: key/value cache, greedy search.
+"""Autoregressive decoding for `models.transformer.Transformer`: greedy and beam search
+(the search itself is `models.beam_search`; the key/value cache `models.kv_cache`).
 
-This module only calls the model's `encode`/`decode` methods by name, so it need not import
-`models.transformer` (which imports it) at run time.
+This module only calls the model's `encode`/`decode` methods by name: it imports
+`models.transformer` for type annotations only.
 """
 
 from __future__ import annotations
@@ -13,36 +14,44 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.beam_search import beam_search
+
 if TYPE_CHECKING:
     from models.transformer import Transformer
 
 
-def update_kv_cache(
-    module: nn.Module, key: jax.Array, value: jax.Array, mask: jax.Array | None
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Appends one step's key/value to the "cache" collection of a self-attention module.
+def _cached_decoder(
+    model: Transformer, params: Any, inputs: jax.Array, *, max_decode_len: int, copies: int = 1
+) -> tuple[Any, Any]:
+    """Encodes ``inputs`` once and returns ``(run_decoder, zero cache)`` for stepwise decoding.
 
-    Called from the module's compact method when decoding. The first call, from a
-    full-length [batch, max_decode_len, heads, head_dim] input, only creates the zeroed
-    cache and returns its arguments unchanged (that pass just fixes the cache shapes). Each
-    later call takes a [batch, 1, heads, head_dim] key/value, writes it at `cache_index` and
-    returns the whole cache with a mask hiding the slots not yet written.
-
-    Returns:
-      (keys, values, mask) to attend with.
+    ``copies`` > 1 repeats every row that many times (row r becomes rows r * copies ...
+    r * copies + copies - 1), as beam search's hypotheses need. ``run_decoder(cache,
+    tokens [rows, 1], positions [rows, 1]) -> (float32 logits [rows, 1, vocab], cache)``
+    runs one step through a ``decode=True`` copy of the model, whose self-attention keeps
+    keys/values in the "cache" collection.
     """
-    is_init = not module.has_variable("cache", "cached_key")
-    cached_k = module.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    cached_v = module.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-    index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-    if is_init:
-        return key, value, mask
-    i = index.value
-    key = jax.lax.dynamic_update_slice(cached_k.value, key, (0, i, 0, 0))
-    value = jax.lax.dynamic_update_slice(cached_v.value, value, (0, i, 0, 0))
-    cached_k.value, cached_v.value, index.value = key, value, i + 1
-    # [1, 1, 1, max_decode_len]: this step may see slots 0..i.
-    return key, value, (jnp.arange(key.shape[1]) <= i)[None, None, None, :]
+    params = nn.unbox(params)
+    encoded = model.apply({"params": params}, inputs, method="encode")
+    if copies > 1:
+        encoded = jnp.repeat(encoded, copies, axis=0)
+        inputs = jnp.repeat(inputs, copies, axis=0)
+    decoder = model.clone(config=dataclasses.replace(model.config, decode=True))
+
+    def run_decoder(cache: Any, tokens: jax.Array, positions: Any) -> tuple[jax.Array, Any]:
+        variables = {"params": params} if cache is None else {"params": params, "cache": cache}
+        logits, mutated = decoder.apply(
+            variables, encoded, inputs, tokens, targets_positions=positions, mutable=["cache"],
+            method="decode",
+        )  # fmt: skip
+        return logits, mutated["cache"]
+
+    # A pass over a full-length dummy target creates the cache, [rows, max_decode_len, ...]
+    # per layer; only its shapes are needed, so trace it abstractly and start from zeros.
+    dummy = jnp.zeros((inputs.shape[0], max_decode_len), jnp.int32)
+    cache_shapes = jax.eval_shape(lambda t: run_decoder(None, t, None)[1], dummy)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes)
+    return run_decoder, cache
 
 
 def greedy_decode(
@@ -55,39 +64,23 @@ def greedy_decode(
 ) -> jax.Array:
     """Greedy decoding with a key/value cache; jit-friendly (one `lax.while_loop`).
 
-    The decoder starts from BOS (= 0) and feeds back its argmax one token at a time through
-    a `decode=True` copy of the model, whose self-attention keeps keys/values in the "cache"
-    collection. A sequence is finished once it emits `eos_id`; everything after is 0. The
-    padding id 0 is never emitted, since teacher forcing would treat it as padding.
+    The decoder starts from BOS (= 0) and feeds back its argmax one token at a time. A
+    sequence is finished once it emits `eos_id`; everything after is 0. The padding id 0
+    is never emitted, since teacher forcing would treat it as padding.
 
     Args:
       model: the `Transformer` (its config's `decode` flag is ignored).
       params: the model's "params" collection (boxed or not, float32 or bfloat16).
-      inputs: int [batch, input_len] source ids, 0 = padding.
+      inputs: int [batch, input_len] source ids, one source a row, 0 = padding (rows
+        of padding only decode to something finite and meaningless).
       max_decode_len: number of output positions (static).
       eos_id: end-of-sequence id.
 
     Returns:
       int32 [batch, max_decode_len] tokens.
     """
-    params = nn.unbox(params)
     batch = inputs.shape[0]
-    encoded = model.apply({"params": params}, inputs, method="encode")
-    decoder = model.clone(config=dataclasses.replace(model.config, decode=True))
-
-    def run_decoder(cache: Any, tokens: jax.Array, positions: Any) -> tuple[jax.Array, Any]:
-        variables = {"params": params} if cache is None else {"params": params, "cache": cache}
-        logits, mutated = decoder.apply(
-            variables, encoded, inputs, tokens, targets_positions=positions, mutable=["cache"],
-            method="decode",
-        )  # fmt: skip
-        return logits, mutated["cache"]
-
-    # A pass over a full-length dummy target creates the cache, [batch, max_decode_len, ...]
-    # per layer; only its shapes are needed, so trace it abstractly and start from zeros.
-    dummy = jnp.zeros((batch, max_decode_len), jnp.int32)
-    cache_shapes = jax.eval_shape(lambda t: run_decoder(None, t, None)[1], dummy)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes)
+    run_decoder, cache = _cached_decoder(model, params, inputs, max_decode_len=max_decode_len)
 
     def not_finished(state: tuple) -> jax.Array:
         i, _, _, _, done = state
@@ -110,3 +103,68 @@ def greedy_decode(
         jnp.zeros((batch,), bool),
     )
     return jax.lax.while_loop(not_finished, step, state)[3]
+
+
+def beam_decode(
+    model: Transformer,
+    params: Any,
+    inputs: jax.Array,
+    *,
+    beam_size: int,
+    max_decode_len: int,
+    alpha: float,
+    eos_id: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search (`models.beam_search`) with the key/value cache; jit-friendly.
+
+    Each source row is encoded once; its `beam_size` hypotheses decode as rows of one
+    [batch * beam_size] batch whose cache rows follow them from step to step.
+
+    Args:
+      model, params, inputs, max_decode_len, eos_id: as in `greedy_decode`.
+      beam_size: hypotheses kept per source.
+      alpha: GNMT length-penalty exponent (0.6 in Vaswani et al.).
+
+    Returns:
+      (int32 [batch, beam_size, max_decode_len] outputs, float32 [batch, beam_size]
+      length-penalised log-probabilities), best first.
+    """
+    batch = inputs.shape[0]
+    run_decoder, cache = _cached_decoder(
+        model, params, inputs, max_decode_len=max_decode_len, copies=beam_size
+    )
+
+    def step_fn(cache: Any, tokens: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:
+        logits, cache = run_decoder(cache, tokens, jnp.full(tokens.shape, index))
+        return logits[:, 0], cache
+
+    return beam_search(
+        step_fn, cache, batch_size=batch, beam_size=beam_size, max_len=max_decode_len,
+        eos_id=eos_id, alpha=alpha,
+    )  # fmt: skip
+
+
+def decode(
+    model: Transformer,
+    params: Any,
+    inputs: jax.Array,
+    *,
+    beam_size: int,
+    max_decode_len: int,
+    alpha: float,
+    eos_id: int = 1,
+) -> jax.Array:
+    """The best output of each source: greedy for `beam_size` 1, else beam search.
+
+    Returns:
+      int32 [batch, max_decode_len] tokens, 0 after the first `eos_id`.
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if beam_size == 1:
+        return greedy_decode(model, params, inputs, max_decode_len=max_decode_len, eos_id=eos_id)
+    seqs, _ = beam_decode(
+        model, params, inputs, beam_size=beam_size, max_decode_len=max_decode_len, alpha=alpha,
+        eos_id=eos_id,
+    )  # fmt: skip
+    return seqs[:, 0]

@@ -1,0 +1,305 @@
+"""What users do around a run, on one tiny trained run (logged to W&B offline and
+resumed once): evaluate and translate its checkpoints from the command line, start
+new runs from its export (any mesh and mode), profile, plot."""
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import tiny_translation
+from etils import epath
+
+from configs import transformer_1024
+from models import decode as decode_lib
+from trainer import checkpoint as checkpoint_lib
+from trainer import experiment, metrics, plot, run_config
+from trainer import export as export_lib
+from trainer import train as train_lib
+from trainer.data import translation as data_lib
+from trainer.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(data_dir, **overrides):
+    return tiny_translation(
+        data_dir, **{"data.num_eval_examples": 32, "max_decode_length": 16,
+                     "optimizer.warmup_steps": 10, "num_train_steps": 40, "steps_per_loop": 10,
+                     "log_every_steps": 10, "eval_every_steps": 20,
+                     "checkpoint_every_steps": 20, **overrides},
+    )  # fmt: skip
+
+
+WANDB = {"wandb.project": "wus-test"}
+
+
+@pytest.fixture(scope="module")
+def run(data_dir, tmp_path_factory):
+    """A 40-step wus run on 8 devices, logged to W&B offline: 20 steps, then resumed
+    to 40; checkpoints and evaluations at 20 and 40."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        train_lib.train(tiny(data_dir, num_train_steps=20, **WANDB), workdir)
+        train_lib.train(tiny(data_dir, **WANDB), workdir)
+    return workdir
+
+
+def cli(module, *args, stdin=None):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
+        timeout=600, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_run_config_round_trips():
+    for variant in ("tiny", "", "base,synthetic"):
+        config = transformer_1024.get_config(variant)
+        again = run_config.from_json(config.to_json_best_effort())
+        assert again.to_dict() == config.to_dict()
+        assert isinstance(again.mesh.rules, tuple) and again.mesh.rules[2] == ("embed", None)
+
+
+def test_evaluate_a_checkpoint_on_another_mesh(run):
+    result = cli("trainer.evaluate", "--workdir", run, "--step", "20", "--cpu_devices", "4",
+                 "--config.mesh.axes.model=2")  # fmt: skip
+    logged = {row["step"]: row for row in read_jsonl(os.path.join(run, "metrics.jsonl"))}[20]
+    (row,) = read_jsonl(os.path.join(run, "eval.jsonl"))
+    assert row["step"] == 20 and row["overrides"] == {"mesh.axes.model": 2}
+    # Another mesh (data 2 x model 2) reduces bf16 activations in another order.
+    for key in ("eval/loss", "eval/accuracy", "eval/nll"):
+        assert row[key] == pytest.approx(logged[key], rel=2e-2, abs=5e-3), key
+    assert abs(row["eval/bleu"] - logged["eval/bleu"]) < 5
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("step 20 | ") and "eval/bleu" in line
+
+
+def test_evaluate_errors_are_one_line(run):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    for args, message in [
+        (["--step", "7"], "no checkpoint of step 7"),
+        (["--config.eval_bogus=1"], "unknown config key 'eval_bogus'"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "trainer.evaluate", "--workdir", run, "--cpu_devices", "8",
+             *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), (
+            result.stderr[-2000:]
+        )
+
+
+def _restored_params(workdir, config):
+    exp = experiment.build(config, with_data=False)
+    checkpointer = checkpoint_lib.Checkpointer(workdir, keep=3)
+    params = checkpointer.restore_state_parts(40, {"params": exp.abstract_logical_state().params})
+    checkpointer.close()
+    return exp.task.model, jax.device_get(params["params"])
+
+
+def test_translate_with_beam_search(run, data_dir):
+    config = tiny(data_dir)
+    vocab = data_lib.load_vocab(config.data)
+    sources, _ = data_lib.make_translation_data(
+        config.data, global_batch_size=64, seed=0, process_index=0, process_count=1
+    ).eval_references()
+    long = " ".join(sources[:8])  # beyond data.max_length tokens: cut, as in evaluation
+    lines = [*sources[:24], "", long]
+    # f32 compute (an override of the run's config), so that the reference below, on
+    # another device layout, rounds alike and ranks near-equal hypotheses alike.
+    result = cli("trainer.translate", "--workdir", run, "--beam_size", "4", "--cpu_devices",
+                 "4", "--batch_size", "8", "--config.model.dtype=float32",
+                 stdin="".join(s + "\n" for s in lines))  # fmt: skip
+    out = result.stdout.split("\n")
+    assert len(out) == len(lines) + 1 and out[-1] == ""
+    assert out[24] == "" and "1 sources cut at 48 tokens" in result.stderr
+    assert "sentences/s" in result.stderr
+
+    # Reference: the model's beam search on one padded batch, in this process.
+    model, params = _restored_params(run, tiny(data_dir, **{"model.dtype": "float32"}))
+    tokens = [vocab.encode(s) for s in sources[:24]]
+    batch = np.zeros((24, max(map(len, tokens))), np.int32)
+    for i, t in enumerate(tokens):
+        batch[i, : len(t)] = t
+    best = jax.jit(
+        lambda p, x: decode_lib.decode(model, p, x, beam_size=4, max_decode_len=16, alpha=0.6)
+    )(params, jnp.asarray(batch))
+    assert out[:24] == [vocab.decode(row) for row in np.asarray(best)]
+    assert sum(a == b for a, b in zip(out[:24], sources[:24], strict=True)) == 0
+    assert out[25]  # the cut source still translates
+
+
+def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, tmp_path, capsys):
+    export_lib.export(run, str(tmp_path / "params"), dtype="bfloat16")
+    exported = ocp.StandardCheckpointer().restore(str(tmp_path / "params"))
+    # Learning rate 0: the state after the steps holds the initial params.
+    config = tiny(data_dir, **{
+        "init_from": str(tmp_path / "params"), "init_from_skip": ("decoder_layers_1/mlp/wo/*",),
+        "mesh.num_devices": 4, "optimizer.update_sharding": "fsdp", "global_batch_size": 16,
+        "optimizer.learning_rate": 0.0, "num_train_steps": 10, "steps_per_loop": 5,
+        "log_every_steps": 5, "eval_every_steps": 0, "checkpoint_every_steps": 0,
+        "profile_steps": (5, 5),
+    })  # fmt: skip
+    workdir = tmp_path / "finetune"
+    state = train_lib.train(config, str(workdir))
+    out = capsys.readouterr().out
+    assert "init_from: 63 of 65 parameters" in out
+    assert (
+        "from their initialisers: decoder_layers_1/mlp/wo/bias, decoder_layers_1/mlp/wo/kernel"
+        in out
+    )
+    exp = experiment.build(config)
+    with jax.set_mesh(exp.mesh):
+        got = jax.device_get(jax.jit(exp.plan.to_logical)(state.params))
+        fresh = jax.device_get(jax.jit(exp.plan.to_logical)(exp.init().params))
+    for name in ("encoder_layers_0/attention/query", "decoder_layers_1/mlp/wi/kernel",
+                 "shared_embedding/embedding"):  # fmt: skip
+        np.testing.assert_array_equal(_get(got, name), _get(exported, name).astype(np.float32))
+    skipped = "decoder_layers_1/mlp/wo/kernel"
+    np.testing.assert_array_equal(_get(got, skipped), _get(fresh, skipped))
+    assert not np.array_equal(_get(got, skipped), _get(exported, skipped).astype(np.float32))
+
+    # The trace of steps 6-10, where TensorBoard's profile plugin looks for it.
+    (trace,) = glob.glob(str(workdir / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    with open(trace, "rb") as f:
+        content = f.read()
+    assert b"train_loop" in content and len(content) > 100_000
+    assert "profile of steps 6-10" in out
+
+
+def _get(tree, name):
+    for part in name.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def test_init_from_lists_every_mismatch(run, data_dir, tmp_path):
+    config = tiny(data_dir, **{"init_from": run, "model.num_decoder_layers": 3,
+                               "model.mlp_dim": 128})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        train_lib.train(config, str(tmp_path))
+    message = str(error.value)
+    assert "init_from: 30 parameters do not fit checkpoint 40 of" in message
+    assert "encoder_layers_0/mlp/wi/kernel is (64, 256) there, (64, 128) here" in message
+    assert "decoder_layers_2/cross_attention/key (64, 4, 16) is missing" in message
+    config = tiny(data_dir, init_from=run, init_from_skip=("nothing/*",))
+    with pytest.raises(ConfigError, match=r"init_from_skip patterns \['nothing/\*'\] match no"):
+        train_lib.train(config, str(tmp_path))
+
+
+def test_profile_steps_must_fit_the_loops(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"profile_steps=\(10, 5\).*steps_per_loop=10.*=5"):
+        train_lib.train(tiny(data_dir, profile_steps=(10, 5)), str(tmp_path))
+
+
+def test_norms_on_the_console_and_in_the_metrics(run):
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    for row in rows:
+        assert row["grad_norm"] > 0 and row["update_norm"] > 0 and row["param_norm"] > 10
+    # The parameter norm is the state's: it moves little from one log step to the next.
+    assert abs(rows[-1]["param_norm"] - rows[-2]["param_norm"]) < 0.1 * rows[-1]["param_norm"]
+
+
+class _Device:
+    def __init__(self, stats):
+        self._stats = stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_device_memory_where_reported():
+    assert metrics.device_memory([_Device(None), _Device(None)]) == {}  # CPU
+    gib = 2**30
+    got = metrics.device_memory([
+        _Device({"bytes_in_use": 1 * gib, "peak_bytes_in_use": 3 * gib, "bytes_limit": 16 * gib}),
+        _Device({"bytes_in_use": 2 * gib, "peak_bytes_in_use": 2 * gib, "bytes_limit": 16 * gib}),
+    ])  # fmt: skip
+    assert got == {"memory/bytes_in_use": 2.0 * gib, "memory/peak_bytes_in_use": 3.0 * gib,
+                   "memory/bytes_limit": 16.0 * gib}  # fmt: skip
+
+
+def test_plot_runs_and_bench(run, tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "runs.png"
+    result = cli("trainer.plot", run, run, "--out", str(out), "--names", "a,b")
+    assert "loss, eval/accuracy, eval/bleu, eval/loss, eval/nll of 2 run(s)" in result.stderr
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[0] > 300 and image.shape[1] > 600
+    series = plot.read_series(run)
+    assert [s for s, _ in series["loss"]] == [10, 20, 30, 40]
+
+    bench = {
+        mode: {"step_time_s": t, "state_bytes_per_device": b, "temp_bytes": b / 2,
+               "collective_bytes": {"all-reduce f32": 2e6} if mode == "none" else
+               {"all-gather bf16": 5e5, "reduce-scatter f32": 1e6}}
+        for mode, t, b in (("none", 0.02, 8e6), ("wus", 0.015, 1e6))
+    }  # fmt: skip
+    plot.plot_bench(bench, str(tmp_path / "bench.png"))
+    assert matplotlib.image.imread(str(tmp_path / "bench.png")).shape[1] > 800
+
+
+def _wandb_records(path):
+    """The records of an offline W&B run file (a LevelDB-style log of protobufs)."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    records, pending, pos, block = [], b"", 7, 32768
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):
+            pos += left
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_resumes_the_same_run(run):
+    # The shared run logged to W&B offline, stopped at 20 and was resumed to 40.
+    workdir = epath.Path(run)
+    run_id = (workdir / "wandb_run_id").read_text().strip()
+    files = sorted(glob.glob(str(workdir / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)
+    logged = {}
+    for path in files:
+        for record in _wandb_records(path):
+            if record.WhichOneof("record_type") == "run":
+                assert record.run.run_id == run_id and record.run.project == "wus-test"
+            if record.WhichOneof("record_type") == "history":
+                row = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                if "loss" in row:  # (W&B also records rows of its own)
+                    logged[row["_step"]] = row["loss"]
+    want = {row["step"]: row["loss"] for row in read_jsonl(workdir / "metrics.jsonl")}
+    assert logged == want and sorted(want) == [10, 20, 30, 40]

@@ -1,0 +1,74 @@
+"""``python -m trainer.evaluate --workdir DIR [--step S] [--cpu_devices N] [--config.x=y ...]``.
+
+Runs the run's evaluation (the one training runs every ``eval_every_steps``: eval
+loss and accuracy, BLEU, HR@10, ...) on one checkpoint of ``DIR`` (the newest by
+default), on whatever devices and mesh this process has, prints one line and
+appends ``{"step": S, "eval/...": ..., "overrides": {...}}`` to ``DIR/eval.jsonl``.
+The config is the run's (``DIR/config.json``); ``--config.x=y`` overrides it as
+for the trainer, e.g. ``--config.eval_beam_size=4`` or ``--config.mesh.axes.model=2``.
+Only the parameters (and model state) are read, not the optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags, logging
+
+from trainer import cli, run_config
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (python -m trainer's --workdir).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
+
+
+def evaluate(config, workdir: str, *, step: int | None = None) -> tuple[int, dict[str, float]]:
+    """Evaluates checkpoint ``step`` (default newest) of ``workdir`` under ``config``.
+
+    Returns:
+      ``(step, {"eval/<metric>": value})``.
+    """
+    from trainer import checkpoint as checkpoint_lib  # noqa: PLC0415
+    from trainer import evaluation  # noqa: PLC0415
+    from trainer import experiment as experiment_lib  # noqa: PLC0415
+
+    exp = experiment_lib.build(config)
+    checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+    step = checkpointer.resolve_step(step)
+    abstract = exp.abstract_logical_state()
+    restored = checkpointer.restore_state_parts(
+        step, {"params": abstract.params, "model_state": abstract.model_state}
+    )
+    checkpointer.close()
+    variables = {"params": restored["params"], **restored["model_state"]}
+    return step, evaluation.make_evaluator(exp)(variables)
+
+
+def append_result(workdir: str, step: int, metrics: dict[str, float], overrides: dict) -> None:
+    """Appends one line to ``workdir/eval.jsonl``."""
+    from trainer import storage  # noqa: PLC0415
+
+    out = storage.AppendOnlyFile(storage.path(workdir) / "eval.jsonl")
+    out.write(json.dumps({"step": step, **metrics, "overrides": overrides}) + "\n")
+    out.close()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
+    import jax  # noqa: PLC0415
+
+    config = run_config.config_value()
+    with cli.clear_errors():
+        step, metrics = evaluate(config, _WORKDIR.value, step=_STEP.value)
+    if jax.process_index() == 0:
+        append_result(_WORKDIR.value, step, metrics, run_config.overrides(_WORKDIR.value, config))
+        print(" | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=run_config.parse_flags)
+    sys.exit(0)

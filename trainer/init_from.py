@@ -1,0 +1,111 @@
+"""``init_from``: start a new run from the parameters of an export or another run.
+
+The source is read in logical shapes straight into this run's shardings, so any
+mesh and any ``update_sharding`` mode can start from any source: a directory
+written by ``python -m trainer.export`` (a plain Orbax tree of the params, any
+dtype), or a run directory (the parameters of its newest checkpoint; its
+optimizer state is not read). Every parameter of this model must be in the
+source with the same shape, unless ``init_from_skip`` names it (an fnmatch
+pattern such as ``"*/mlp/wo/*"``): those, e.g. a new output head, start from
+their initialisers. The optimizer state starts fresh, from the loaded weights,
+at step 0. Non-trained variables (BatchNorm statistics) start fresh too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable
+
+import jax
+
+from trainer import checkpoint as checkpoint_lib
+from trainer import experiment as experiment_lib
+from trainer import step as step_lib
+from trainer.errors import ConfigError
+
+
+def _flat(tree) -> dict:
+    return {
+        experiment_lib.param_name(path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for name, leaf in flat.items():
+        node = out
+        *parents, last = name.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return out
+
+
+def _open(source: str):
+    """``(description, saved params metadata, read(target) -> params)`` of a source."""
+    if checkpoint_lib.Checkpointer.exists(source):
+        checkpointer = checkpoint_lib.Checkpointer(source, keep=1 << 30)
+        step = checkpointer.resolve_step()
+        saved = checkpointer.state_metadata(step)["params"]
+
+        def read(target):
+            return checkpointer.restore_state_parts(step, {"params": target})["params"]
+
+        return f"checkpoint {step} of {source}", saved, read
+    try:
+        saved = checkpoint_lib.tree_metadata(source)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise ConfigError(
+            f"init_from={source} is neither a run directory with checkpoints nor a "
+            f"directory written by trainer.export ({type(e).__name__}: {e})"
+        ) from None
+    return f"the export {source}", saved, lambda target: checkpoint_lib.restore_tree(source, target)
+
+
+def initial_state(
+    exp: experiment_lib.Experiment, log: Callable[[str], None]
+) -> step_lib.TrainState:
+    """The state a new run starts from: ``exp.init()``, with the parameters of
+    ``config.init_from`` where it is set.
+
+    Raises:
+      ConfigError: listing every parameter missing from the source or of another
+        shape there (and not skipped), and skip patterns that match nothing.
+    """
+    config = exp.config
+    if not config.init_from:
+        return exp.init()
+    what, saved, read = _open(config.init_from)
+    wanted = _flat(exp.abstract_logical_state().params)
+    have = _flat(saved)
+    patterns = tuple(config.init_from_skip)
+    skipped = [n for n in wanted if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in wanted)]
+    if unused:
+        raise ConfigError(f"init_from_skip patterns {unused} match no parameter of this model")
+    problems = []
+    for name, leaf in wanted.items():
+        if name in skipped:
+            continue
+        if name not in have:
+            problems.append(f"{name} {tuple(leaf.shape)} is missing")
+        elif tuple(have[name].shape) != tuple(leaf.shape):
+            problems.append(f"{name} is {tuple(have[name].shape)} there, {tuple(leaf.shape)} here")
+    if problems:
+        raise ConfigError(
+            f"init_from: {len(problems)} parameters do not fit {what}: {'; '.join(problems)} "
+            f"(name them in init_from_skip to start them from their initialisers)"
+        )
+    loads = {n: leaf for n, leaf in wanted.items() if n not in skipped}
+    loaded = _flat(read(_nested(loads)))
+    state = exp.init(loaded)
+    values = sum(math.prod(leaf.shape) for leaf in loads.values())
+    extra = sorted(set(have) - set(wanted))
+    log(
+        f"init_from: {len(loaded)} of {len(wanted)} parameters ({values:,} values) from {what}"
+        + (f"; from their initialisers: {', '.join(skipped)}" if skipped else "")
+        + (f"; not in this model: {', '.join(extra)}" if extra else "")
+    )
+    return state
