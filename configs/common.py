@@ -4,6 +4,8 @@ Each ``configs/<name>.py`` starts from :func:`base_config` and sets what its
 model needs, so the trainer never guesses a default with ``config.get``.
 """
 
+from collections.abc import Iterable
+
 import ml_collections
 
 
@@ -19,10 +21,36 @@ def base_config() -> ml_collections.ConfigDict:
     config.log_every_steps = 100
     config.eval_every_steps = 1000
     config.checkpoint_every_steps = 1000  # 0 = only at the end
-    config.keep_checkpoints = 3
-    # Peak FLOP/s of one device for MFU. Default: a TPU-v3 core in bf16 (61.5 TFLOP/s,
-    # i.e. 123 per chip); set it to your hardware (trainer.bench measures a CPU's).
-    config.peak_flops_per_device = 61.5e12
+    config.keep_checkpoints = 3  # >= 1: the newest complete checkpoint is never deleted
+    # One run at a time holds a work directory (DIR/run.lock; trainer/workdir_lock.py).
+    # In an object store (gs://) a lock not renewed for this long is a dead run's and
+    # is taken over; local directories need no timeout (the OS drops a dead run's lock).
+    config.workdir_lock_timeout_s = 60.0
+    # Peak FLOP/s of one device for MFU. 0 = from the device kind (trainer/hardware.py:
+    # published bf16 peaks of TPU v2-v6e, A100/H100/H200; on CPU this machine's f32
+    # matmul peak, measured once and cached in ~/.cache/wus-trainer/cpu_peak.json).
+    config.peak_flops_per_device = 0.0
+    # JAX's persistent compilation cache: a restarted run loads its compiled steps
+    # instead of compiling them again. A path or URL (gs://...); None =
+    # <workdir>/compilation_cache; "" = no cache.
+    config.compilation_cache_dir = ml_collections.FieldReference(None, field_type=str)
+    # Start a new run from these parameters: a directory written by trainer.export, or
+    # another run's directory (its newest checkpoint). Any mesh and update-sharding mode;
+    # ignored once this run has a checkpoint of its own. None = from the initialisers.
+    config.init_from = ml_collections.FieldReference(None, field_type=str)
+    # Parameters (paths like "decoder_layers_1/mlp/wo/kernel", fnmatch patterns such as
+    # "*/mlp/*") that start from their initialisers even if init_from has them.
+    config.init_from_skip = ()
+    # (first step, count): trace steps first+1 .. first+count into <workdir>/profile for
+    # TensorBoard's profile plugin. Both multiples of steps_per_loop; () = no trace.
+    config.profile_steps = ()
+    # Weights & Biases: also log there when a project is set (pip install -e '.[wandb]').
+    config.wandb = ml_collections.ConfigDict(
+        dict(
+            project=ml_collections.FieldReference(None, field_type=str),
+            entity=ml_collections.FieldReference(None, field_type=str),
+        )
+    )
 
     config.mesh = ml_collections.ConfigDict()
     # Per-slice axis sizes; -1 = the devices the other axes leave.
@@ -48,12 +76,41 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.nesterov = False
     config.optimizer.trust_coefficient = 0.001  # lars
     config.optimizer.clip_norm = 0.0  # 0 = no global-norm clipping
-    # Weight-update sharding (Xu et al. 2020): none | wus | fsdp.
+    # Optimizer state dtype of the param-shaped leaves ("" = the params' dtype).
+    config.optimizer.state_dtype = ""
+    # Split each step's batch into this many micro-batches whose gradients add up
+    # (global_batch_size stays the batch of one optimizer step).
+    config.optimizer.accumulate_steps = 1
+    # Weight-update sharding (Xu et al. 2020): none | wus | fsdp (ZeRO-3) | auto. auto
+    # compiles the candidates below for the run's TPU devices (or trainer.aot's
+    # --topology) and picks the fastest estimate that fits HBM; off TPU it means wus.
     config.optimizer.update_sharding = "wus"
+    # Weights every consumer rounds to bf16 anyway are all-gathered in this dtype.
     config.optimizer.gather_dtype = "bfloat16"
     config.optimizer.reduce_dtype = "float32"
-    # Shard the update within groups of this many data replicas (0 = all of them).
+    # Shard the update within groups of this many data replicas (0, or more than the
+    # data axis has = all of them).
     config.optimizer.shard_group_size = 0
-    # Parameters smaller than this (as f32) keep a replicated update.
+    # Parameters with fewer bytes per device (after model sharding) stay replicated.
     config.optimizer.min_shard_bytes = 65536
+    # Layouts may pad a tensor by at most this fraction; else it stays replicated
+    # (at 1/3 the padded reduce-scatter + bf16 gather move as much as an all-reduce).
+    config.optimizer.max_shard_padding = 0.25
+    # The candidates of update_sharding=auto (besides none): modes, shard_group_size
+    # values (empty = every divisor of the data axis) and min_shard_bytes values.
+    config.optimizer.auto = ml_collections.ConfigDict(
+        dict(modes=("wus", "fsdp"), shard_group_sizes=(), min_shard_bytes=(4096, 65536, 1 << 20))
+    )
     return config
+
+
+def variant_parts(variant: str, known: Iterable[str]) -> set[str]:
+    """The comma-separated parts of ``variant`` (the CLI's ``:tiny,synthetic``).
+
+    Raises:
+      ValueError: naming the parts not in ``known`` and the ones that are.
+    """
+    parts = set(variant.split(",")) - {""}
+    if unknown := parts - set(known):
+        raise ValueError(f"unknown variant {sorted(unknown)} (expected {', '.join(known)})")
+    return parts

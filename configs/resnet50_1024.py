@@ -10,13 +10,13 @@ of 16 replicas here, as MLPerf submissions at this scale do.
 
 import ml_collections
 
-from configs import resnet50_16
+from configs import common, resnet50_16
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     config = resnet50_16.get_config(variant)
-    if variant == "tiny":
+    if "tiny" in common.variant_parts(variant, ("tiny", "local_jpeg")):
         config.model.bn_group_size = 2
         return config
     config.global_batch_size = 32_768

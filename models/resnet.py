@@ -22,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.remat import remat_layer
+
 Array = jax.Array
 _ACT = ("batch", "height", "width", "channels")
 _CONV_NAMES = ("conv_h", "conv_w", "channels_in", "channels")
@@ -69,6 +71,7 @@ class ResNetConfig:
     bn_epsilon: float = 1e-5
     bn_axis_name: str | None = None
     bn_group_size: int = 0
+    remat: str = "none"
 
 
 def _named(init: Any, *names: str) -> Any:
@@ -193,7 +196,7 @@ class ResidualBlock(nn.Module):
     strides: int
 
     @nn.compact
-    def __call__(self, x: Array, *, train: bool) -> Array:
+    def __call__(self, x: Array, train: bool) -> Array:
         cfg = self.config
         convs = _block_convs(cfg.block, self.features, self.strides)
         y = x
@@ -231,8 +234,10 @@ class ResNet(nn.Module):
         x = nn.relu(BatchNorm(cfg, name="stem_bn")(x, train=train))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         x = nn.with_logical_constraint(x, _ACT)
+        # `train` is passed positionally: a static argument of remat'd blocks.
+        block = remat_layer(ResidualBlock, cfg.remat, static_argnums=(2,))
         for name, features, strides in _blocks(cfg):
-            x = ResidualBlock(cfg, features, strides, name=name)(x, train=train)
+            x = block(cfg, features, strides, name=name)(x, train)
         # Global average pool in float32. [batch, channels]
         pooled = x.astype(jnp.float32).mean((1, 2))
         pooled = nn.with_logical_constraint(pooled, ("batch", "channels"))

@@ -3,8 +3,8 @@
 The model knows nothing of meshes: every parameter carries logical axis names from
 {"vocab", "embed", "mlp", "heads", "kv"} and key activations carry logical constraints from
 {"batch", "length", "embed", "mlp", "heads", "kv", "vocab"}; the trainer maps them to mesh
-axes. Token id 0 is padding and doubles as the decoder's BOS token. The key/value cache and
-greedy decoding live in `models/decode.py`; `greedy_decode` is re-exported here.
+axes. Token id 0 is padding and doubles as the decoder's BOS token. Decoding (greedy, beam
+search) lives in `models/decode.py`, the key/value cache in `models/kv_cache.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.decode import greedy_decode, update_kv_cache  # noqa: F401  (re-export)
+from models.kv_cache import update_kv_cache
+from models.remat import remat_layer
 
 Array = jax.Array
 _EMBED_ACT = ("batch", "length", "embed")
@@ -54,6 +55,7 @@ class TransformerConfig:
     attention_dropout_rate: float = 0.1
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
+    remat: str = "none"  # per-layer activation rematerialisation, see models/remat.py
     decode: bool = False
 
 
@@ -222,7 +224,7 @@ class EncoderLayer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, train: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, train: bool) -> Array:
         cfg = self.config
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="attention_norm")(x)
         h = MultiHeadAttention(cfg, name="attention")(h, h, mask, train=train)
@@ -238,7 +240,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, y: Array, encoded: Array, self_mask: Array | None, cross_mask: Array, *, train: bool
+        self, y: Array, encoded: Array, self_mask: Array | None, cross_mask: Array, train: bool
     ) -> Array:
         cfg = self.config
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="self_attention_norm")(y)
@@ -268,8 +270,11 @@ class Transformer(nn.Module):
             self.encoder_embedding = Embedding(**table)
             self.decoder_embedding = Embedding(**table)
             self.logits_embedding = Embedding(**table)
-        self.encoder_layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
-        self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+        # `train` is passed positionally: a static argument of the remat'd layers.
+        encoder_layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,))
+        decoder_layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(5,))
+        self.encoder_layers = [encoder_layer(cfg) for _ in range(cfg.num_encoder_layers)]
+        self.decoder_layers = [decoder_layer(cfg) for _ in range(cfg.num_decoder_layers)]
         self.encoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.decoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
@@ -305,7 +310,7 @@ class Transformer(nn.Module):
         seg = inputs_segmentation
         mask = attention_mask(inputs > 0, inputs > 0, seg, seg)
         for layer in self.encoder_layers:
-            x = layer(x, mask, train=train)
+            x = layer(x, mask, train)
         return self.encoder_norm(x)
 
     def decode(
@@ -337,7 +342,7 @@ class Transformer(nn.Module):
             cross_mask = attention_mask(valid, inputs > 0, seg, inputs_segmentation)
         y = self._embed("decoder", decoder_inputs, targets_positions, train)
         for layer in self.decoder_layers:
-            y = layer(y, encoded, self_mask, cross_mask, train=train)
+            y = layer(y, encoded, self_mask, cross_mask, train)
         logits = self._table("logits").attend(self.decoder_norm(y))
         # [batch, target_len, vocab] float32
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

@@ -5,8 +5,54 @@ at import time of the first module pytest loads.
 """
 
 import os
+import tempfile
 
+# The CPU matmul peak for MFU is measured once and cached (trainer/hardware.py):
+# keep that cache out of the user's home.
+os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402  (the flags above must be set before anything can import JAX)
+
+from configs import transformer_1024  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A TFDS data directory shared by a module's runs (the embedded dataset is built once)."""
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny_translation(data_dir: str, **overrides):
+    """The ``:tiny`` Transformer on the embedded data in ``data_dir``; ``overrides`` are
+    flattened keys (``num_train_steps=20``, ``**{"optimizer.warmup_steps": 10}``)."""
+    config = transformer_1024.get_config("tiny")
+    config.data.data_dir = data_dir
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulate=1):
+    """A 1+1-layer Transformer on random tokens for exact step comparisons: ``mesh`` is
+    data8, data4_model2, group2 (shard_group_size 2) or devices6."""
+    config = transformer_1024.get_config("tiny,synthetic")
+    config.model.update(vocab_size=64, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64,
+                        num_encoder_layers=1, num_decoder_layers=1, dtype=dtype)  # fmt: skip
+    config.data.update(vocab_size=64, max_length=8)
+    config.global_batch_size = 16
+    config.num_train_steps = 100
+    config.optimizer.update(
+        name=opt, update_sharding=mode, min_shard_bytes=0, clip_norm=0.5, warmup_steps=2,
+        learning_rate=0.01, weight_decay=0.01, schedule="constant", accumulate_steps=accumulate,
+    )  # fmt: skip
+    if mesh == "data4_model2":
+        config.mesh.axes.update(data=4, model=2)
+    elif mesh == "group2":
+        config.optimizer.shard_group_size = 2
+    elif mesh == "devices6":
+        config.mesh.num_devices = 6
+        config.global_batch_size = 12
+    return config

@@ -39,6 +39,12 @@ def test_group_size_must_divide_data():
         mesh_lib.make_mesh({"data": -1}, shard_group_size=3)
 
 
+def test_group_larger_than_data_is_one_group():
+    # configs/transformer_1024.py asks for groups of 64 (a pod); 8 devices are one group.
+    mesh = mesh_lib.make_mesh({"data": -1}, shard_group_size=64)
+    assert dict(mesh.shape) == {"replica": 1, "data": 8}
+
+
 def test_dcn_must_match_slices():
     with pytest.raises(mesh_lib.MeshError, match="multiply to 2 slices, but the devices form 1"):
         mesh_lib.make_mesh({"data": -1}, {"data": 2})

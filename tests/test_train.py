@@ -8,25 +8,17 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_translation
 
-from configs import transformer_1024
 from trainer import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
 def tiny(data_dir, **overrides):
-    config = transformer_1024.get_config("tiny")
-    config.data.data_dir = data_dir
-    config.data.num_eval_examples = 32
-    config.max_decode_length = 16
-    config.update_from_flattened_dict(overrides)
-    return config
+    return tiny_translation(
+        data_dir, **{"data.num_eval_examples": 32, "max_decode_length": 16, **overrides}
+    )
 
 
 def read_metrics(workdir):

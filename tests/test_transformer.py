@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from models.decode import greedy_decode
 from models.losses import cross_entropy_and_metrics
 from models.transformer import (
     SIZES,
     Transformer,
     TransformerConfig,
-    greedy_decode,
     param_count,
     train_flops_per_example,
 )

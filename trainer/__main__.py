@@ -1,17 +1,24 @@
 """``python -m trainer --config configs/<name>.py[:variant] --workdir DIR``.
 
 Parses flags, sets up the JAX runtime and hands over to :func:`trainer.train.train`.
-Mistakes in the input end in one line on stderr and a non-zero exit.
+Mistakes in the input end in one line on stderr and a non-zero exit. SIGTERM
+and Ctrl-C are handled from the first moment (:mod:`trainer.signals`): the run
+saves and stops (exit 0 after SIGTERM, 130 after Ctrl-C); Ctrl-C twice stops now.
 """
 
 from __future__ import annotations
 
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from trainer import signals
 
-from trainer import cli
+if __name__ == "__main__":
+    signals.install()  # before the slow imports below: no stop request is lost
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from trainer import cli  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
@@ -46,6 +53,8 @@ def main(argv: list[str]) -> None:
 
     with cli.clear_errors():
         train.train(_CONFIG.value, _WORKDIR.value)
+    if signals.install().first == "SIGINT":
+        sys.exit(signals.EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

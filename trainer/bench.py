@@ -9,7 +9,9 @@ partitioning), and the per-parameter sharding plan. Takes the trainer's
 ``--config.x=y`` overrides and ``--cpu_devices``.
 
 ``--steps_per_loop 1,8`` times several loop lengths in the same run;
-``--measure_peak`` measures this machine's matmul peak for MFU.
+``--measure_peak`` measures this machine's matmul peak for MFU; ``--plot FILE.png``
+draws step time, per-device state and temp bytes, and collective bytes by kind
+of every mode side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from trainer import cli
+from trainer.hardware import measure_matmul_peak
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _MODES = flags.DEFINE_list("modes", ["none", "fsdp", "wus"], "Update-sharding modes to time.")
@@ -37,28 +40,11 @@ _PLAN = flags.DEFINE_bool("plan", True, "Print the per-parameter sharding plan."
 _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Also time async vs sync checkpoint saves of each mode's state here."
 )
+_PLOT = flags.DEFINE_string(
+    "plot", None, "Also draw the modes side by side into this PNG (needs '.[plot]')."
+)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
 flags.mark_flags_as_required(["config"])
-
-
-def measure_matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of all devices together on one big batched matmul per device."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
-
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharding = NamedSharding(mesh, PartitionSpec("d"))
-    x = jax.device_put(jnp.ones((len(devices), n, n), dtype), sharding)
-    matmul = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a), out_shardings=sharding)
-    matmul(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 * len(devices) / min(times)
 
 
 def bench_mode(config, mode: str, loop_lengths: list[int], loops: int, peak: float) -> dict:
@@ -81,7 +67,7 @@ def bench_mode(config, mode: str, loop_lengths: list[int], loops: int, peak: flo
         "plan": [list(map(str, row)) for row in exp.plan.table()],
     }
     for i, k in enumerate(loop_lengths):
-        batches = exp.next_batches(k)
+        batches, _ = exp.feed.next(k)
         with jax.set_mesh(exp.mesh):
             lowered = exp.jit_loop().lower(exp.abstract_state, exp.abstract_batches(k))
             compiled, text = hlo.compile_with_dump(lowered)
@@ -98,7 +84,7 @@ def bench_mode(config, mode: str, loop_lengths: list[int], loops: int, peak: flo
         figures = {
             "step_time_s": step_time,
             "examples_per_sec": examples,
-            "mfu": exp.task.flops_per_example * examples / peak,
+            "mfu": exp.task.flops_per_example * examples / peak if peak else float("nan"),
         }
         if i == 0:
             memory = compiled.memory_analysis()
@@ -126,9 +112,9 @@ def bench_checkpoint(exp, state, directory: str, repeats: int = 3) -> dict:
     from trainer import checkpoint  # noqa: PLC0415
 
     with jax.set_mesh(exp.mesh):
-        logical = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())(state)
+        logical = exp.jit_to_logical(state)
     jax.block_until_ready(logical)
-    data_state = exp.task.train_data.get_state()
+    data_state = exp.feed.position
     out = {}
     for name, async_save in (("async", True), ("sync", False)):
         ckpt = checkpoint.Checkpointer(os.path.join(directory, name), keep=1, async_save=async_save)
@@ -176,7 +162,8 @@ def report(results: dict, peak: float, measured: bool) -> None:
             print("  sharding plan:")
             for name, shape, layout in r["plan"]:
                 print(f"    {name:<48} {shape:<18} {layout}")
-    print(f"\npeak FLOP/s for MFU: {peak:.3e} ({'measured matmul' if measured else 'config'})")
+    source = "measured matmul" if measured else "config, or the device kind's (trainer/hardware.py)"
+    print(f"\npeak FLOP/s for MFU: {peak:.3e} ({source})")
     if "none" in results:
         base = results["none"]
         for mode, r in results.items():
@@ -195,22 +182,39 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    try:
+        loop_lengths = [int(k) for k in _STEPS_PER_LOOP.value] or [config.steps_per_loop]
+    except ValueError:
+        cli.fail(f"--steps_per_loop: expected loop lengths like 1,8, got {_STEPS_PER_LOOP.value}")
+    if min(loop_lengths) < 1 or _LOOPS.value < 1:
+        cli.fail(f"--steps_per_loop {loop_lengths} and --loops {_LOOPS.value} must be >= 1")
     cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
     import jax  # noqa: PLC0415
 
-    config = _CONFIG.value
-    loop_lengths = [int(k) for k in _STEPS_PER_LOOP.value] or [config.steps_per_loop]
+    from trainer import hardware  # noqa: PLC0415
+
     with cli.clear_errors():
         peak = (
             measure_matmul_peak(config.model.get("dtype", "float32"))
             if _MEASURE_PEAK.value
-            else config.peak_flops_per_device * jax.device_count()
+            else jax.device_count()
+            * hardware.peak_flops_per_device(
+                jax.devices()[0],
+                config.peak_flops_per_device,
+                cache_dir=hardware.default_cache_dir(),
+            )
         )
         results = {m: bench_mode(config, m, loop_lengths, _LOOPS.value, peak) for m in _MODES.value}
     report(results, peak, _MEASURE_PEAK.value)
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(results, f, indent=2)
+    if _PLOT.value:
+        from trainer import plot  # noqa: PLC0415
+
+        plot.plot_bench(results, _PLOT.value)
+        print(f"wrote {_PLOT.value}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ The trainer, the benchmark and checkpoint restore all start from it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,12 +22,41 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import mesh as mesh_lib
-from trainer import optimizers, update_sharding
+from trainer import optimizers, precision, update_sharding, update_transform
 from trainer import sharding as sharding_lib
 from trainer import step as step_lib
 from trainer import tasks as tasks_lib
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, floating_dtype
 from trainer.shard_layout import LeafLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """The training batches of this process as the K-step loop takes them: K at a
+    time as global arrays, each time with the input position after them (what the
+    checkpoint of that loop must store to resume exactly)."""
+
+    train_data: Any  # the task's TrainBatches
+    to_global: Callable[[Any], Any]  # stacked local rows -> global arrays
+
+    def next(self, k: int) -> tuple[Any, dict]:
+        """``(k stacked global batches, the input position after them)``."""
+        local = [next(self.train_data) for _ in range(k)]
+        batches = self.to_global(jax.tree.map(lambda *xs: np.stack(xs), *local))
+        return batches, self.position
+
+    @property
+    def position(self) -> dict:
+        """The input position of the next batch."""
+        return self.train_data.get_state()
+
+    def seek(self, position: dict) -> None:
+        """Continues from ``position`` (a global one: valid for any process count)."""
+        self.train_data.set_state(position)
+
+    def close(self) -> None:
+        """Stops the input's worker processes."""
+        self.train_data.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +69,13 @@ class Experiment:
       rules: resolved logical-axis rules.
       task: model, data, loss and evaluation.
       plan: the update-sharding plan (per-parameter layouts).
-      tx: the optimizer, wrapped for update sharding.
-      schedule: learning-rate schedule.
       abstract_state: ShapeDtypeStructs of the train state.
       state_shardings: NamedShardings of the train state.
       fns: the step, loop and eval functions (not yet jitted).
-      init: ``() -> TrainState``, created sharded.
+      init: ``(loaded=None) -> TrainState``, created sharded; ``loaded`` maps
+        parameter names (``"a/b/kernel"``, see :func:`param_name`) to logical
+        arrays that replace their initial values (the optimizer state starts
+        from the result).
       num_params: number of model parameters.
     """
 
@@ -52,12 +84,10 @@ class Experiment:
     rules: sharding_lib.Rules
     task: tasks_lib.Task
     plan: update_sharding.UpdateShardingPlan
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
     abstract_state: step_lib.TrainState
     state_shardings: step_lib.TrainState
     fns: step_lib.StepFns
-    init: Callable[[], step_lib.TrainState]
+    init: Callable[..., step_lib.TrainState]
     num_params: int
 
     @property
@@ -82,10 +112,12 @@ class Experiment:
         spec = PartitionSpec(mesh_lib.data_axes(self.mesh))
         return multihost_utils.global_array_to_host_local_array(global_array, self.mesh, spec)
 
-    def next_batches(self, k: int):
-        """The next ``k`` training batches, stacked into one global array."""
-        local = [next(self.task.train_data) for _ in range(k)]
-        return self.to_global(jax.tree.map(lambda *xs: np.stack(xs), *local), stacked=True)
+    @functools.cached_property
+    def feed(self) -> Feed:
+        """The training input as the loop consumes it (needs ``with_data``)."""
+        if self.task.train_data is None:
+            raise ValueError("built with_data=False: no training input")
+        return Feed(self.task.train_data, functools.partial(self.to_global, stacked=True))
 
     def abstract_batches(self, k: int):
         """ShapeDtypeStructs of ``k`` stacked global batches."""
@@ -125,6 +157,12 @@ class Experiment:
             opt_state=self.plan.state_to_logical(state.opt_state),
         )
 
+    @functools.cached_property
+    def jit_to_logical(self) -> Callable[[step_lib.TrainState], step_lib.TrainState]:
+        """:meth:`to_logical`, jitted into :meth:`logical_shardings`: the one conversion
+        checkpoints, the benchmark and evaluation read the state through."""
+        return jax.jit(self.to_logical, out_shardings=self.logical_shardings())
+
     def from_logical(self, state: step_lib.TrainState) -> step_lib.TrainState:
         """Logical shapes -> this run's stored layout, sharded as the run wants."""
 
@@ -150,27 +188,78 @@ class Experiment:
         )
 
 
+def param_name(path) -> str:
+    """A parameter's name from its tree path: ``"decoder_layers_0/mlp/wi/kernel"``."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
 def _check_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     batch, dp = config.global_batch_size, mesh_lib.data_parallel_size(mesh)
+    micro = config.optimizer.accumulate_steps
     procs = jax.process_count()
-    if batch % dp:
+    if micro < 1:
+        raise ConfigError(f"optimizer.accumulate_steps must be >= 1, got {micro}")
+    if batch % (dp * micro):
         raise ConfigError(
             f"global_batch_size={batch} is not divisible by the {dp} data-parallel replicas "
             f"of mesh {dict(mesh.shape)}"
+            + (f" times accumulate_steps={micro}" if micro > 1 else "")
         )
     if batch % procs:
         raise ConfigError(f"global_batch_size={batch} is not divisible by {procs} processes")
 
 
-def build(config: ml_collections.ConfigDict) -> Experiment:
-    """Builds mesh, task, plan, optimizer and the (abstract) sharded state."""
+def _dtype(section: ml_collections.ConfigDict, key: str) -> jnp.dtype:
+    return floating_dtype(section[key], f"optimizer.{key}")
+
+
+def _replica_loss(task: tasks_lib.Task) -> Callable:
+    """``(params, model_state, rows) -> loss`` of the replicas' rows (``[replicas,
+    *batch]``), as the train step computes it (inside the vmap over replicas,
+    which models may reduce over: grouped BatchNorm needs the real count)."""
+
+    def loss(params, model_state, rows):
+        def one(rows):
+            variables = {"params": params, **model_state}
+            return task.loss_fn(variables, rows, jax.random.PRNGKey(0), True)[0]
+
+        return jax.vmap(one, axis_name=tasks_lib.REPLICAS)(rows)
+
+    return loss
+
+
+def build(
+    config: ml_collections.ConfigDict,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    with_data: bool = True,
+    optimizer: optax.GradientTransformation | None = None,
+) -> Experiment:
+    """Builds mesh, task, plan, optimizer and the (abstract) sharded state.
+
+    Args:
+      config: the run config.
+      devices: devices to build the mesh on (default ``jax.devices()``), e.g.
+        those of a TPU topology this host only compiles for (:mod:`trainer.aot`).
+      with_data: False opens no dataset: the task has no input pipeline and
+        only :meth:`Experiment.abstract_batches` describe its batches.
+      optimizer: an optax transformation to use instead of the one the config
+        names (it is wrapped for update sharding the same way); the config's
+        schedule still gives the logged learning rate.
+    """
     # ---------------------------------------------------------------- mesh
     opt_cfg = config.optimizer
+    devices = list(jax.devices() if devices is None else devices)
+    if not 0 <= config.mesh.num_devices <= len(devices):
+        raise ConfigError(
+            f"mesh.num_devices={config.mesh.num_devices} but there are {len(devices)} devices "
+            f"(0 = all of them)"
+        )
     mesh = mesh_lib.make_mesh(
         config.mesh.axes.to_dict(),
         config.mesh.dcn_axes.to_dict(),
         shard_group_size=opt_cfg.shard_group_size,
-        devices=jax.devices()[: config.mesh.num_devices] if config.mesh.num_devices else None,
+        devices=devices[: config.mesh.num_devices] if config.mesh.num_devices else devices,
     )
     rules = sharding_lib.resolve_rules(config.mesh.rules, mesh)
     _check_batch(config, mesh)
@@ -178,7 +267,10 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
 
     # ------------------------------------------------------- data and task
     task = tasks_lib.make_task(
-        config, process_index=jax.process_index(), process_count=jax.process_count()
+        config,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        with_data=with_data,
     )
 
     # --------------------------------- model and optimizer, created sharded
@@ -188,21 +280,47 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         boxed = jax.eval_shape(task.init_fn, init_rng, task.init_batch)
     specs = sharding_lib.param_specs(boxed["params"], rules)
     abstract_params = nn.unbox(boxed["params"])
+    model_state = {k: v for k, v in nn.unbox(boxed).items() if k != "params"}
+    gather_dtype = _dtype(opt_cfg, "gather_dtype")
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding_lib.without_data_axes(rules, mesh)):
+        replicas = mesh_lib.data_parallel_size(mesh)
+        rows = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), task.init_batch
+        )
+        low_precision = precision.low_precision_params(
+            _replica_loss(task), abstract_params, model_state, rows, low_dtype=gather_dtype
+        )
     plan = update_sharding.make_plan(
         abstract_params,
         specs,
         mesh,
         mode=opt_cfg.update_sharding,
         min_shard_bytes=opt_cfg.min_shard_bytes,
-        gather_dtype=jnp.dtype(opt_cfg.gather_dtype),
-        reduce_dtype=jnp.dtype(opt_cfg.reduce_dtype),
+        max_shard_padding=opt_cfg.max_shard_padding,
+        low_precision=low_precision,
+        gather_dtype=gather_dtype,
+        reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
     )
     inner, schedule = optimizers.make_optimizer(opt_cfg, abstract_params, config.num_train_steps)
-    tx = update_sharding.weight_update_sharding(inner, plan)
+    inner = optimizer or inner
+    tx = update_transform.weight_update_sharding(
+        inner,
+        plan,
+        param_dtypes=jax.tree.map(lambda p: p.dtype, abstract_params),
+        state_dtype=_dtype(opt_cfg, "state_dtype") if opt_cfg.state_dtype else None,
+    )
 
-    def init_state(rng_init, rng_state):
+    def init_state(rng_init, rng_state, loaded=None):
         variables = nn.unbox(task.init_fn(rng_init, task.init_batch))
-        params = plan.to_stored(variables.pop("params"))
+        params = variables.pop("params")
+        if loaded:  # init_from: {"a/b/kernel": logical array} replaces the initial value
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, x: (
+                    loaded[param_name(path)].astype(x.dtype) if param_name(path) in loaded else x
+                ),
+                params,
+            )
+        params = plan.to_stored(params)
         return step_lib.TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -221,9 +339,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
             rng=replicated,
         )
 
-    def init():
+    def init(loaded: dict[str, jax.Array] | None = None):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            return jax.jit(init_state, out_shardings=state_shardings)(init_rng, state_rng)
+            return jax.jit(init_state, out_shardings=state_shardings)(init_rng, state_rng, loaded)
 
     return Experiment(
         config=config,
@@ -231,11 +349,11 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         rules=rules,
         task=task,
         plan=plan,
-        tx=tx,
-        schedule=schedule,
         abstract_state=abstract_state,
         state_shardings=state_shardings,
-        fns=step_lib.make_step_fns(task, plan, tx, schedule, rules, state_shardings),
+        fns=step_lib.make_step_fns(
+            task, plan, tx, schedule, rules, state_shardings, opt_cfg.accumulate_steps
+        ),
         init=init,
         num_params=sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_params)),
     )

@@ -12,11 +12,10 @@ Only the ``params`` subtree is read (partial restore), not the optimizer state.
 
 from __future__ import annotations
 
-import os
-
 from absl import app, flags, logging
 
-from trainer import cli
+from trainer import cli, orbax_output, storage
+from trainer.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -26,32 +25,59 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 
 def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "float32") -> int:
-    """Exports the params of checkpoint ``step`` (default latest); returns the step."""
+    """Exports the params of checkpoint ``step`` (default latest); returns the step.
+
+    Raises:
+      CheckpointError: no such checkpoint, or it cannot be read.
+      ConfigError: ``out`` exists, or ``workdir`` is not a directory.
+    """
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     from trainer import checkpoint as checkpoint_lib  # noqa: PLC0415
 
-    steps = checkpoint_lib.Checkpointer(workdir, keep=1_000_000).steps()
+    destination = storage.path(out)
+    if destination.exists():
+        raise ConfigError(f"--out {destination} already exists: choose a new path or remove it")
+    directory = storage.workdir(workdir)
+    if not (directory / "checkpoints").is_dir():
+        raise checkpoint_lib.CheckpointError(f"no checkpoints in {directory}")
+    checkpoints = checkpoint_lib.Checkpointer(directory, keep=1, read_only=True)
+    steps = checkpoints.steps()
     if not steps:
-        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {workdir}/checkpoints")
+        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {checkpoints.directory}")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise checkpoint_lib.CheckpointError(f"no checkpoint of step {step}; there are {steps}")
-    path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+    path = checkpoints.state_directory(step)
     checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata.tree["params"]
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-    restored = checkpointer.restore(
-        path,
-        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-    )
+    try:
+        with orbax_output.probing():  # Orbax's warnings about the broken parts, unsaid
+            saved = checkpointer.metadata(path)
+        if saved is None or saved.item_metadata is None:
+            raise ValueError("its state has no metadata (an empty or cut step directory?)")
+        metadata = saved.item_metadata.tree["params"]
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {
+            "params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata)
+        }
+        restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+        restored = checkpointer.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True
+            ),
+        )
+    except Exception as e:  # noqa: BLE001  (any unreadable part of it)
+        others = [s for s in steps if s != step]
+        raise checkpoint_lib.CheckpointError(
+            f"checkpoint {step} in {checkpoints.directory} is unreadable "
+            f"({' '.join(str(e).split())[:300]}); export another with --step (there are {others})"
+        ) from None
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), restored["params"])
     saver = ocp.StandardCheckpointer()
-    saver.save(os.path.abspath(out), params)
+    saver.save(destination, params)
     saver.wait_until_finished()
     return step
 
@@ -60,12 +86,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
-    from trainer import checkpoint as checkpoint_lib  # noqa: PLC0415
-
-    try:
+    storage.configure()
+    with cli.clear_errors():
         step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
-    except checkpoint_lib.CheckpointError as e:
-        cli.fail(str(e), cli.EXIT_ERROR)
     print(f"exported the {_DTYPE.value} params of step {step} to {_OUT.value}")
 
 

@@ -72,14 +72,15 @@ def split_data_axis(sizes: Mapping[str, int], shard_group_size: int) -> dict[str
 
     Args:
       sizes: resolved axis sizes containing ``data``.
-      shard_group_size: G, the number of data replicas sharing one update; 0 or
-        the full data size means a single group (no split).
+      shard_group_size: G, the most data replicas sharing one update; 0, or G at
+        least the data size, means a single group (no split), so a config tuned
+        for a pod still runs on a few devices.
 
     Returns:
       Axis sizes with ``replica`` inserted before ``data``.
     """
     data = sizes[DATA_AXIS]
-    group = shard_group_size or data
+    group = min(shard_group_size, data) if shard_group_size else data
     if data % group:
         raise MeshError(
             f"optimizer.shard_group_size={shard_group_size} does not divide the data "

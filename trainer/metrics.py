@@ -13,6 +13,13 @@ import sys
 import time
 
 import numpy as np
+from tensorboardX import SummaryWriter, record_writer
+from tensorboardX.proto import event_pb2
+
+from trainer import storage
+
+# metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
+_REMOTE_FLUSH_SECS = 10.0
 
 
 def format_duration(seconds: float) -> str:
@@ -32,24 +39,32 @@ class MetricWriter:
     a progress line.
 
     Args:
-      workdir: run directory.
+      workdir: run directory (a local path or a URL such as ``gs://b/run``).
       enabled: False on every process but the first.
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+    def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._tracker = None
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
-        from tensorboardX import SummaryWriter  # noqa: PLC0415  (only process 0 needs it)
+        directory = storage.path(workdir)
+        self._jsonl = storage.AppendOnlyFile(
+            directory / "metrics.jsonl", min_interval_s=_REMOTE_FLUSH_SECS
+        )
+        _route_tensorboard_through_epath()
+        self._tb = SummaryWriter(logdir=str(directory), flush_secs=30)
 
-        self._tb = SummaryWriter(logdir=workdir, flush_secs=30)
+    def attach(self, tracker) -> None:
+        """Also logs every :meth:`write` to ``tracker`` (``log(step, scalars)`` and
+        ``close()``, e.g. :class:`trainer.tracking.WandbRun`); None = nothing."""
+        self._tracker = tracker
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        """Appends one JSON object ``{"step": step, **scalars}`` and TB scalars."""
+        """Appends one JSON object ``{"step": step, **scalars}``, TB scalars, and
+        the attached tracker's."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in scalars.items()}
@@ -57,15 +72,33 @@ class MetricWriter:
         self._jsonl.flush()
         for key, value in clean.items():
             self._tb.add_scalar(key, value, global_step=int(step))
+        if self._tracker is not None:
+            self._tracker.log(int(step), clean)
+
+    def restart_at(self, step: int) -> None:
+        """Tells TensorBoard the run continues from ``step``: it drops the points
+        an earlier, killed run logged after it (a ``SessionLog.START`` event)."""
+        if not self.enabled:
+            return
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._tb.file_writer.add_event(
+            event_pb2.Event(step=int(step) + 1, wall_time=time.time(), session_log=start)
+        )
 
     def progress(self, step: int, total: int, scalars: dict[str, float], eta_s: float) -> None:
         """One console line: step, loss, steps/s, ETA (and eval metrics if any)."""
         if not self.enabled:
             return
         parts = [f"step {step:>7d}/{total}"]
-        for key, fmt in (("loss", ".4f"), ("steps_per_sec", ".2f"), ("mfu", ".2%")):
+        for key, fmt in (("loss", ".4f"), ("grad_norm", ".3g"), ("steps_per_sec", ".2f"),
+                         ("mfu", ".2%")):  # fmt: skip
             if key in scalars:
                 parts.append(f"{key.replace('_per_sec', '/s')} {scalars[key]:{fmt}}")
+        if "memory/peak_bytes_in_use" in scalars:
+            in_use = scalars.get("memory/bytes_in_use", 0.0) / 2**30
+            parts.append(
+                f"mem {in_use:.2f} GiB (peak {scalars['memory/peak_bytes_in_use'] / 2**30:.2f})"
+            )
         parts += [f"{k} {v:.4g}" for k, v in scalars.items() if k.startswith("eval/")]
         parts.append(f"ETA {format_duration(eta_s)}")
         print(" | ".join(parts), flush=True)
@@ -81,6 +114,57 @@ class MetricWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._tracker is not None:
+            self._tracker.close()
+
+
+def drop_rows_after(workdir: str | os.PathLike, step: int) -> None:
+    """Removes the rows of steps after ``step`` from ``workdir/metrics.jsonl``.
+
+    A resumed run logs those steps again (bit for bit the same training), so
+    each step has one row. The file is replaced whole (atomically on a local
+    disk, as one object in a store).
+    """
+    path = storage.path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            row_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill
+        if row_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines):
+        return
+    if storage.is_remote(path):
+        path.write_text("".join(kept))
+    else:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+
+
+class _EpathEventFiles:
+    """tensorboardX's hook for a URL scheme: event files opened through etils.epath.
+
+    tensorboardX's own ``gs://`` writer talks to google-cloud-storage directly
+    (other URLs fail); this one goes where every other file of the run goes.
+    """
+
+    def open(self, location: str) -> storage.AppendOnlyFile:
+        # tensorboardX's writer thread already limits flushes to flush_secs.
+        return storage.AppendOnlyFile(location, binary=True)
+
+    def directory_check(self, location: str) -> None:
+        storage.path(location).mkdir(parents=True, exist_ok=True)
+
+
+def _route_tensorboard_through_epath() -> None:
+    for scheme in ("gs", "s3", "az"):
+        record_writer.register_writer_factory(scheme, _EpathEventFiles())
 
 
 class Throughput:
@@ -97,22 +181,47 @@ class Throughput:
         return rate
 
 
-def reduce_loop_metrics(stacked: dict[str, np.ndarray]) -> dict[str, float]:
-    """Per-step sums over a window -> averages normalised by ``weight``.
+# Per-step scalars that describe the state after the window (not its steps): logged
+# as their last value. The others (gradient and update norms) are window means.
+_LAST_VALUE = ("learning_rate", "param_norm")
+
+
+def reduce_loop_metrics(
+    stacked: dict[str, np.ndarray], step_scalars: tuple[str, ...] = ("learning_rate",)
+) -> dict[str, float]:
+    """Per-step metrics over a window -> one value each.
 
     Args:
-      stacked: metric sums with a leading step dimension, including ``weight``
-        and ``learning_rate``.
+      stacked: metrics with a leading step dimension: sums over examples
+        (including their normaliser ``weight``) and per-step scalars.
+      step_scalars: the keys that are per-step values, not sums.
 
     Returns:
-      ``loss`` etc. as sum over the window / total weight; the learning rate
-      of the last step.
+      Sums as sum over the window / total weight; the learning rate and the
+      parameter norm of the last step; other per-step scalars (gradient and
+      update norms) averaged over the window.
     """
     weight = float(np.sum(stacked["weight"]))
     out = {
         k: float(np.sum(v)) / max(weight, 1e-9)
         for k, v in stacked.items()
-        if k not in ("weight", "learning_rate")
+        if k != "weight" and k not in step_scalars
     }
-    out["learning_rate"] = float(np.asarray(stacked["learning_rate"])[-1])
+    for key in step_scalars:
+        if key in stacked:
+            values = np.asarray(stacked[key], np.float64)
+            out[key] = float(values[-1] if key in _LAST_VALUE else values.mean())
+    return out
+
+
+def device_memory(devices) -> dict[str, float]:
+    """Memory of the fullest device among ``devices`` (this process's), in bytes:
+    ``memory/bytes_in_use``, ``memory/peak_bytes_in_use`` and ``memory/bytes_limit``
+    where the backend reports them (TPU and GPU do; CPU reports nothing: ``{}``)."""
+    stats = [s for s in (d.memory_stats() for d in devices) if s]
+    out = {}
+    for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[f"memory/{key}"] = float(max(values))
     return out

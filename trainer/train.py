@@ -2,30 +2,41 @@
 
 Sections: checks -> build (mesh, data, model and optimizer created sharded;
 see :mod:`trainer.experiment`) -> compiled loop of K steps -> host loop
-(metrics, eval, checkpoint) between loops.
+(metrics, eval, checkpoint) between loops. The run happens inside a
+:class:`trainer.stopping.Run`: the work-directory lock, stop requests at loop
+boundaries, and every way out (finish, SIGTERM, Ctrl-C, errors) handled there.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import time
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
+from etils import epath
 
+from trainer import (
+    aot_analysis,
+    evaluation,
+    faults,
+    hardware,
+    init_from,
+    profiling,
+    signals,
+    stopping,
+    storage,
+    tracking,
+)
 from trainer import checkpoint as checkpoint_lib
 from trainer import experiment as experiment_lib
 from trainer import metrics as metrics_lib
 from trainer import step as step_lib
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError):
     """The loss became NaN or Inf."""
 
 
@@ -43,99 +54,161 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             )
     if config.num_train_steps < 1:
         raise ConfigError(f"num_train_steps must be >= 1, got {config.num_train_steps}")
+    if config.keep_checkpoints < 1:
+        raise ConfigError(
+            f"keep_checkpoints must be >= 1 (the newest complete checkpoint is always kept), "
+            f"got {config.keep_checkpoints}"
+        )
+    if config.workdir_lock_timeout_s <= 0:
+        raise ConfigError(
+            f"workdir_lock_timeout_s must be > 0, got {config.workdir_lock_timeout_s}"
+        )
+
+
+def use_compilation_cache(setting: str | None, workdir: epath.Path) -> epath.Path | None:
+    """Points JAX's persistent compilation cache at ``setting`` before the first compile.
+
+    A restarted run then loads its executables instead of compiling them again
+    (minutes for big models on TPU).
+
+    Args:
+      setting: ``config.compilation_cache_dir``: a path or URL, None for
+        ``<workdir>/compilation_cache``, or "" for no cache.
+      workdir: the run directory.
+
+    Returns:
+      The cache directory, or None if caching is off.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache  # noqa: PLC0415
+
+    directory = None if setting == "" else storage.path(setting or workdir / "compilation_cache")
+    wanted = None if directory is None else str(directory)
+    if jax.config.jax_compilation_cache_dir != wanted:
+        # JAX opens its cache once per process; another run in this process
+        # (tests, notebooks) may have opened another directory.
+        jax_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", wanted)
+    # Cache every executable: JAX's defaults skip compiles under 1 s, which on
+    # CPU (and for the small jitted helpers) is most of them.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return directory
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainState:
     """Trains ``config`` in ``workdir`` and returns the final state."""
     check_config(config)
-    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
-    if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+    directory = storage.workdir(workdir)
+    lock_timeout_s = config.workdir_lock_timeout_s
+    with (
+        signals.handled() as requests,
+        stopping.Run(directory, requests, lock_timeout_s=lock_timeout_s) as run,
+    ):
+        return _train(config, directory, run)
+
+
+def _train(
+    config: ml_collections.ConfigDict, directory: epath.Path, run: stopping.Run
+) -> step_lib.TrainState:
+    """The run, inside ``run`` (lock held; every way out goes through it)."""
+    lead = jax.process_index() == 0
+    info = functools.partial(print, flush=True) if lead else lambda *_: None
+    # Checks profile_steps against the loop length before anything is built.
+    profiler = profiling.StepProfiler(
+        config.profile_steps, steps_per_loop=config.steps_per_loop, workdir=directory, log=info
+    )
+    cache = use_compilation_cache(config.compilation_cache_dir, directory)
+    if cache is not None:
+        info(f"compilation cache: {cache}")
 
     # ------------------------------------- mesh, data, model and optimizer
+    if config.optimizer.update_sharding == "auto":
+        config, _, _ = aot_analysis.choose_update_sharding(config, jax.devices(), info)
     exp = experiment_lib.build(config)
     mesh, task = exp.mesh, exp.task
-    writer.info(
+    run.closes(exp.feed.close)  # data workers stop on every way out
+    info(
         f"model {config.model.name}: {exp.num_params:,} parameters; mesh {dict(mesh.shape)}; "
         f"update sharding '{exp.plan.mode}'"
     )
 
     # ------------------------------------------------ restore or initialise
-    checkpointer = checkpoint_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
-    restored = checkpointer.restore(exp.abstract_logical_state())
+    checkpointer = checkpoint_lib.Checkpointer(directory, keep=config.keep_checkpoints)
+    run.watch(checkpointer)
+    restored = checkpointer.restore(exp.abstract_logical_state(), optimizer=config.optimizer.name)
     if restored is None:
-        state = exp.init()
+        state = init_from.initial_state(exp, info)  # exp.init(), or config.init_from
     else:
         saved_step, logical, data_state = restored
         state = exp.from_logical(step_lib.TrainState(**logical))
-        writer.info(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
-        if data_state is None:
-            # Each process reads its own share, so a position saved by another
-            # number of processes has no meaning here.
-            writer.info(
-                "warning: the checkpoint was written by a different number of processes; "
-                "the input pipeline starts from the beginning of its shuffle"
-            )
-        else:
-            task.train_data.set_state(data_state)
-    preemption = _Preemption(checkpointer)
-
-    to_logical = jax.jit(exp.to_logical, out_shardings=exp.logical_shardings())
+        info(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
+        # The position is global: valid for any number of processes.
+        exp.feed.seek(data_state)
+    # The config is accepted: record it, and drop metrics rows after the
+    # restored step (a run that died after logging them wrote them).
+    if lead:
+        (directory / "config.json").write_text(config.to_json_best_effort(indent=2))
+        metrics_lib.drop_rows_after(directory, int(state.step))
+    writer = metrics_lib.MetricWriter(directory, enabled=lead)
+    run.closes(writer.close)
+    if lead:
+        writer.attach(tracking.start(config, directory))  # W&B, if wandb.project is set
+    if restored is not None:
+        writer.restart_at(int(state.step))
 
     def save(step: int, state: step_lib.TrainState, data_state) -> None:
         with jax.set_mesh(mesh):
-            logical_state = to_logical(state)
+            logical_state = exp.jit_to_logical(state)
         checkpointer.save(step, logical_state, data_state, config)
 
     # ------------------------------------------------------- compiled loop
     @functools.cache
     def compiled_loop(k: int):
         start = time.perf_counter()
+        faults.point("compile")
         with jax.set_mesh(mesh):
             out = exp.jit_loop().lower(exp.abstract_state, exp.abstract_batches(k)).compile()
-        writer.info(f"compiled a loop of {k} steps in {time.perf_counter() - start:.1f}s")
+        info(f"compiled a loop of {k} steps in {time.perf_counter() - start:.1f}s")
         return out
 
     with jax.set_mesh(mesh):
-        gather = jax.jit(exp.plan.gather)
-        eval_step = jax.jit(exp.fns.eval_step)
+        # Evaluation and decoding see the logical weights, sharded over model axes only.
+        unshard = jax.jit(exp.plan.to_logical, out_shardings=exp.logical_shardings().params)
+    evaluate_variables = evaluation.make_evaluator(exp)
 
     def evaluate(state) -> dict[str, float]:
-        with jax.set_mesh(mesh), nn.logical_axis_rules(exp.rules):
-            variables = {"params": gather(state.params), **state.model_state}
-            totals: dict[str, float] = {}
-            for batch in task.eval_batches():
-                sums = jax.device_get(eval_step(variables, exp.to_global(batch)))
-                for key, value in sums.items():
-                    totals[key] = totals.get(key, 0.0) + float(value)
-            weight = max(totals.pop("weight", 0.0), 1e-9)
-            out = {f"eval/{k}": v / weight for k, v in totals.items()}
-            if task.evaluate_extra is not None:
-                extra = task.evaluate_extra(variables, exp.to_global, exp.to_local)
-                out.update({f"eval/{k}": v for k, v in extra.items()})
-        return out
+        with jax.set_mesh(mesh):
+            params = unshard(state.params)
+        return evaluate_variables({"params": params, **state.model_state})
 
     # ---------------------------------------------------------- host loop
+    # Peak FLOP/s of one device for MFU; 0 (unknown device) leaves MFU out.
+    peak = hardware.peak_flops_per_device(
+        jax.devices()[0], config.peak_flops_per_device, cache_dir=hardware.default_cache_dir()
+    )
     total, k_max = config.num_train_steps, config.steps_per_loop
     step = int(state.step)
     window: list[dict] = []
     timer = metrics_lib.Throughput()
     steps_since_lap = 0
-    if step < total:
-        batch = exp.next_batches(min(k_max, total - step))
-        batch_data_state = task.train_data.get_state()
+    if step < total and not run.should_stop(None):
+        batch, batch_data_state = exp.feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
     timer.lap(0)
     while step < total:
+        if not run.trained and run.should_stop(None):  # asked during start-up or compile
+            run.stopped_at = step
+            break
         k = min(k_max, total - step)
-        state, loop_metrics = compiled_loop(k)(state, batch)
+        profiler.at_boundary(step)
+        with profiler.annotate(step):
+            state, loop_metrics = compiled_loop(k)(state, batch)
+        faults.point("loop")
+        run.trained = True
         # The input position after this loop's batches, for its checkpoint.
         data_state = batch_data_state
         if step + k < total:  # overlaps host input work with the device loop
-            batch = exp.next_batches(min(k_max, total - step - k))
-            batch_data_state = task.train_data.get_state()
+            batch, batch_data_state = exp.feed.next(min(k_max, total - step - k))
         loop_metrics = jax.device_get(loop_metrics)
         _check_finite(loop_metrics, step)
         step += k
@@ -149,15 +222,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
             steps_since_lap = 0
             stacked = {key: np.concatenate([w[key] for w in window]) for key in window[0]}
             window = []
-            scalars = metrics_lib.reduce_loop_metrics(stacked)
+            scalars = metrics_lib.reduce_loop_metrics(stacked, step_lib.STEP_SCALARS)
             examples_per_sec = rate * config.global_batch_size
-            scalars |= {
-                "steps_per_sec": rate,
-                "examples_per_sec": examples_per_sec,
-                "mfu": task.flops_per_example
-                * examples_per_sec
-                / (config.peak_flops_per_device * jax.device_count()),
-            }
+            scalars |= {"steps_per_sec": rate, "examples_per_sec": examples_per_sec}
+            scalars |= metrics_lib.device_memory(jax.local_devices())
+            if peak:
+                flops_per_sec = task.flops_per_example * examples_per_sec
+                scalars["mfu"] = flops_per_sec / (peak * jax.device_count())
             if task.counts_tokens:
                 scalars["tokens_per_sec"] = float(np.sum(stacked["weight"])) / max(
                     len(stacked["weight"]) / rate, 1e-9
@@ -169,38 +240,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> step_lib.TrainStat
             writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9))
 
         every = config.checkpoint_every_steps
-        stop = preemption.requested(step)
+        stop = run.should_stop(step)
         if (every and step % every == 0) or step == total or stop:
             save(step, state, data_state)
         if stop:
-            checkpointer.wait()
-            writer.info(f"preempted: saved step {step} in {checkpointer.directory}; exiting")
+            run.stopped_at = step
             break
-    checkpointer.close()  # waits for the last save
-    writer.close()
-    return state
-
-
-class _Preemption:
-    """SIGTERM, or JAX's preemption notice where the platform sends one (TPU
-    VMs), asks the loop to save and stop at the next loop boundary."""
-
-    def __init__(self, checkpointer: checkpoint_lib.Checkpointer):
-        self._signalled = False
-        self._checkpointer = checkpointer
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        del signum, frame
-        self._signalled = True
-
-    def requested(self, step: int) -> bool:
-        if self._checkpointer.reached_preemption(step):
-            return True
-        if jax.process_count() > 1:
-            # Every host must stop at the same step, whichever got the signal.
-            return bool(np.any(multihost_utils.process_allgather(np.array(self._signalled))))
-        return self._signalled
+    profiler.stop(step)
+    return state  # `run` waits for the last save and closes the files
 
 
 def _check_finite(loop_metrics: dict, first_step: int) -> None:

@@ -28,8 +28,10 @@ class Task:
       model: the flax module.
       init_batch: a small batch of the right dtypes for ``model.init``.
       train_data: iterator of this process's training batches (numpy dicts of
-        ``global_batch_size // process_count`` rows); a grain iterator, so its
-        position can be checkpointed.
+        ``global_batch_size // process_count`` rows) with ``get_state()`` /
+        ``set_state()``: the input position, one global number valid for any
+        process count (see ``trainer.data.feed.TrainBatches``). None for a task
+        built without data.
       eval_batches: returns a fresh iterable of this process's eval batches
         (padding rows all zero, so they carry no weight).
       loss_fn: ``(variables, batch, rng, train) -> (loss_sum, (metric_sums,
@@ -47,7 +49,7 @@ class Task:
 
     model: nn.Module
     init_batch: dict
-    train_data: Iterator[dict]
+    train_data: Iterator[dict] | None
     eval_batches: Callable[[], Iterable[dict]]
     loss_fn: Callable[..., Any]
     weight_fn: Callable[[dict], Any]
@@ -57,8 +59,19 @@ class Task:
     counts_tokens: bool = False
 
 
-def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
-    """Builds the task named by ``config.model.name``."""
+def make_task(
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int,
+    process_count: int,
+    with_data: bool = True,
+) -> Task:
+    """Builds the task named by ``config.model.name``.
+
+    ``with_data=False`` builds the model, loss and shapes from the config alone,
+    opening no dataset (no train or eval data, no host evaluation): enough to
+    compile the training step ahead of time (:mod:`trainer.aot`).
+    """
     from trainer.tasks import (  # noqa: PLC0415  (heavy imports, on demand)
         classification,
         recommendation,
@@ -73,4 +86,6 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     name = config.model.name
     if name not in builders:
         raise ConfigError(f"model.name must be one of {sorted(builders)}, got '{name}'")
-    return builders[name](config, process_index=process_index, process_count=process_count)
+    return builders[name](
+        config, process_index=process_index, process_count=process_count, with_data=with_data
+    )

@@ -9,6 +9,7 @@ import numpy as np
 
 from models import losses, resnet
 from trainer.data import imagenet
+from trainer.errors import ConfigError, floating_dtype
 from trainer.tasks import REPLICAS, Task
 
 # ImageNet channel statistics, on the 0..255 scale: the host ships uint8 crops
@@ -17,21 +18,38 @@ _MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
 _STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
 
 
-def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
-    """The image-classification task of ``config`` for this process."""
-    data = imagenet.make_image_data(
-        config.data,
-        global_batch_size=config.global_batch_size,
-        seed=config.seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
+def make_task(
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int,
+    process_count: int,
+    with_data: bool = True,
+) -> Task:
+    """The image-classification task of ``config`` for this process
+    (``with_data=False``: model and shapes only, see
+    :func:`trainer.tasks.make_task`)."""
+    data = None
+    if with_data:
+        data = imagenet.make_image_data(
+            config.data,
+            global_batch_size=config.global_batch_size,
+            seed=config.seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
+        if data.num_classes != config.model.num_classes:
+            raise ConfigError(
+                f"the data has {data.num_classes} classes but "
+                f"model.num_classes={config.model.num_classes}"
+            )
     cfg = resnet.ResNetConfig(
         **resnet.SIZES[config.model.size],
-        num_classes=data.num_classes,
-        dtype=jnp.dtype(config.model.dtype),
+        num_classes=config.model.num_classes,
+        dtype=floating_dtype(config.model.dtype, "model.dtype"),
+        param_dtype=floating_dtype(config.model.param_dtype, "model.param_dtype"),
         bn_axis_name=REPLICAS,
         bn_group_size=config.model.bn_group_size,
+        remat=config.model.remat,
     )
     model = resnet.ResNet(cfg)
     size = config.data.image_size
@@ -69,8 +87,8 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     return Task(
         model=model,
         init_batch=init_batch,
-        train_data=data.train,
-        eval_batches=data.eval_batches,
+        train_data=data and data.train,
+        eval_batches=data.eval_batches if data else lambda: (),
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,

@@ -11,24 +11,42 @@ import numpy as np
 
 from models import ncf
 from trainer.data import movielens
+from trainer.errors import ConfigError, floating_dtype
 from trainer.tasks import Task
 
 
-def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
-    """The NCF task of ``config`` for this process."""
-    data = movielens.make_movielens_data(
-        config.data,
-        global_batch_size=config.global_batch_size,
-        seed=config.seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
+def make_task(
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int,
+    process_count: int,
+    with_data: bool = True,
+) -> Task:
+    """The NCF task of ``config`` for this process (``with_data=False``: model and
+    shapes only, see :func:`trainer.tasks.make_task`).
+
+    The embedding tables have ``config.model.num_users`` / ``num_items`` rows;
+    the data's dense ids must fit in them.
+    """
+    data = None
+    if with_data:
+        data = movielens.make_movielens_data(
+            config.data,
+            global_batch_size=config.global_batch_size,
+            seed=config.seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
+        for key, n in (("num_users", data.num_users), ("num_items", data.num_items)):
+            if n > config.model[key]:
+                raise ConfigError(f"the data has {n} {key[4:]} but model.{key}={config.model[key]}")
     cfg = ncf.NCFConfig(
-        num_users=data.num_users,
-        num_items=data.num_items,
+        num_users=config.model.num_users,
+        num_items=config.model.num_items,
         mf_dim=config.model.mf_dim,
         mlp_layers=tuple(config.model.mlp_layers),
-        dtype=jnp.dtype(config.model.dtype),
+        dtype=floating_dtype(config.model.dtype, "model.dtype"),
+        param_dtype=floating_dtype(config.model.param_dtype, "model.param_dtype"),
     )
     model = ncf.NCF(cfg)
     init_batch = {
@@ -76,13 +94,13 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     return Task(
         model=model,
         init_batch=init_batch,
-        train_data=data.train,
+        train_data=data and data.train,
         # Eval rows are users with ranked candidates, not training pairs: the
         # ranking metrics below are the whole evaluation.
         eval_batches=lambda: (),
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,
-        evaluate_extra=ranking,
+        evaluate_extra=ranking if data else None,
         flops_per_example=ncf.train_flops_per_example(cfg),
     )

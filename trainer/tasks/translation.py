@@ -1,4 +1,5 @@
-"""Translation with the encoder-decoder Transformer: loss, token accuracy, BLEU."""
+"""Translation with the encoder-decoder Transformer: loss, token accuracy, BLEU (decoded
+greedily or with beam search, ``eval_beam_size``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from jax.experimental import multihost_utils
 from models import decode as decode_lib
 from models import losses, transformer
 from trainer.data import translation as data_lib
-from trainer.errors import ConfigError
+from trainer.data.tokenizer import EOS_ID
+from trainer.errors import ConfigError, floating_dtype
 from trainer.tasks import Task
 
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig))
@@ -27,7 +29,14 @@ def model_config(config: ml_collections.ConfigDict) -> transformer.TransformerCo
     unknown = sorted(set(fields) - set(_MODEL_KEYS))
     if unknown:
         raise ConfigError(f"config.model has keys the Transformer does not take: {unknown}")
-    fields["dtype"] = jnp.dtype(fields.get("dtype", "bfloat16"))
+    for key in ("dtype", "param_dtype"):
+        fields[key] = floating_dtype(fields[key], f"model.{key}")
+    heads, qkv = fields["num_heads"], fields["qkv_dim"]
+    if heads < 1 or qkv % heads:
+        raise ConfigError(
+            f"model.qkv_dim={qkv} must split evenly over model.num_heads={heads} "
+            f"(each head gets qkv_dim / num_heads dims)"
+        )
     return transformer.TransformerConfig(**fields)
 
 
@@ -43,8 +52,46 @@ def _bleu(stats: np.ndarray) -> float:
     return sacrebleu.BLEU.compute_bleu(counts, totals, sys_len, ref_len).score
 
 
-def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_count: int) -> Task:
-    """The translation task of ``config`` for this process."""
+def make_decoder(
+    model: transformer.Transformer, *, beam_size: int, max_decode_len: int, alpha: float
+):
+    """``jit((params, inputs [batch, length]) -> int32 [batch, max_decode_len])``: the best
+    translation of each row, greedy for ``beam_size`` 1, else beam search with length
+    penalty ``alpha``; tokens after EOS are 0."""
+    if beam_size < 1:
+        raise ConfigError(f"the beam size must be >= 1, got {beam_size}")
+    if alpha < 0:
+        raise ConfigError(f"length_penalty must be >= 0, got {alpha}")
+    return jax.jit(
+        lambda params, inputs: decode_lib.decode(
+            model,
+            params,
+            inputs,
+            beam_size=beam_size,
+            max_decode_len=max_decode_len,
+            alpha=alpha,
+            eos_id=EOS_ID,
+        )  # fmt: skip
+    )
+
+
+def make_task(
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int,
+    process_count: int,
+    with_data: bool = True,
+) -> Task:
+    """The translation task of ``config`` for this process (``with_data=False``:
+    model and shapes only, see :func:`trainer.tasks.make_task`)."""
+    cfg = model_config(config)
+    if config.data.max_length > cfg.max_len:
+        raise ConfigError(
+            f"data.max_length={config.data.max_length} is longer than the model's position "
+            f"table, model.max_len={cfg.max_len}"
+        )
+    if not with_data:
+        return _task(config, cfg, data=None)
     data = data_lib.make_translation_data(
         config.data,
         global_batch_size=config.global_batch_size,
@@ -52,12 +99,15 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
         process_index=process_index,
         process_count=process_count,
     )
-    cfg = model_config(config)
     if data.vocab.vocab_size > cfg.vocab_size:
         raise ConfigError(
             f"the data's vocabulary has {data.vocab.vocab_size} ids but model.vocab_size="
             f"{cfg.vocab_size}"
         )
+    return _task(config, cfg, data)
+
+
+def _task(config, cfg: transformer.TransformerConfig, data) -> Task:
     model = transformer.Transformer(cfg)
     length = config.data.max_length
     label_smoothing = config.label_smoothing
@@ -97,10 +147,11 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
 
     @functools.cache
     def decoder():
-        return jax.jit(
-            lambda params, inputs: decode_lib.greedy_decode(
-                model, params, inputs, max_decode_len=config.max_decode_length, eos_id=1
-            )
+        return make_decoder(
+            model,
+            beam_size=config.eval_beam_size,
+            max_decode_len=config.max_decode_length,
+            alpha=config.length_penalty,
         )
 
     def bleu(variables, to_global, to_local) -> dict[str, float]:
@@ -117,12 +168,12 @@ def make_task(config: ml_collections.ConfigDict, *, process_index: int, process_
     return Task(
         model=model,
         init_batch=init_batch,
-        train_data=data.train,
-        eval_batches=data.eval_batches,
+        train_data=data and data.train,
+        eval_batches=data.eval_batches if data else lambda: (),
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,
-        evaluate_extra=bleu,
+        evaluate_extra=bleu if data else None,
         flops_per_example=transformer.train_flops_per_example(cfg, length, length),
         counts_tokens=True,
     )

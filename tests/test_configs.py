@@ -1,0 +1,38 @@
+"""Every config builds in each of its variants, refuses unknown ones alike, and
+declares the keys the trainer reads (no hidden defaults)."""
+
+import importlib
+
+import pytest
+
+from configs import common
+
+VARIANTS = {
+    "transformer_1024": ("", "tiny", "base,synthetic", "base,synthetic,update_heavy"),
+    "transformer_16": ("", "tiny", "synthetic"),
+    "resnet50_16": ("", "tiny", "local_jpeg"),
+    "resnet50_1024": ("", "tiny"),
+    "ncf_16": ("", "tiny", "local_20m"),
+}
+
+
+def flat_keys(config, prefix=""):
+    keys = set()
+    for key, value in config.items():
+        keys.add(prefix + key)
+        if hasattr(value, "items"):
+            keys |= flat_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_build_and_unknown_ones_are_named(name):
+    module = importlib.import_module(f"configs.{name}")
+    base = flat_keys(common.base_config())
+    for variant in VARIANTS[name]:
+        config = module.get_config(variant)
+        assert base <= flat_keys(config), (name, variant, base - flat_keys(config))
+        for key in ("worker_count", "worker_buffer_size", "data_dir", "name"):
+            assert key in config.data, (name, variant, key)
+    with pytest.raises(ValueError, match=r"unknown variant \['nope'\] \(expected tiny"):
+        module.get_config("tiny,nope")
