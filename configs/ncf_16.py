@@ -37,10 +37,15 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # (dense ids of the prepared data must fit; sizes known without reading it).
     config.model = ml_collections.ConfigDict(
         dict(
-            name="ncf", num_users=138_493, num_items=26_744, mf_dim=64,
-            mlp_layers=(256, 256, 128, 64), dtype="bfloat16", param_dtype="float32",
+            name="ncf",
+            num_users=138_493,
+            num_items=26_744,
+            mf_dim=64,
+            mlp_layers=(256, 256, 128, 64),
+            dtype="bfloat16",
+            param_dtype="float32",
         )
-    )  # fmt: skip
+    )
     config.data = ml_collections.ConfigDict(
         dict(
             name="movielens/20m-ratings",

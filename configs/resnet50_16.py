@@ -69,10 +69,15 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         )
     )
     config.optimizer.update(
-        name="lars", learning_rate=9.0, schedule="polynomial", power=2.0,
+        name="lars",
+        learning_rate=9.0,
+        schedule="polynomial",
+        power=2.0,
         warmup_steps=5 * IMAGENET_TRAIN_IMAGES // config.global_batch_size,
-        weight_decay=5e-5, momentum=0.9, trust_coefficient=0.001,
-    )  # fmt: skip
+        weight_decay=5e-5,
+        momentum=0.9,
+        trust_coefficient=0.001,
+    )
     config.mesh.rules = (
         ("batch", "data"),
         ("height", None),

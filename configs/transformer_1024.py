@@ -118,14 +118,25 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         config.max_decode_length = 48
         config.eval_beam_size = 1  # greedy: evaluations stay a few seconds on 2 CPU cores
         config.model.update(
-            vocab_size=384, emb_dim=64, num_heads=4, num_encoder_layers=2,
-            num_decoder_layers=2, qkv_dim=64, mlp_dim=256, max_len=64,
-            dropout_rate=0.0, attention_dropout_rate=0.0,
-        )  # fmt: skip
+            vocab_size=384,
+            emb_dim=64,
+            num_heads=4,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            qkv_dim=64,
+            mlp_dim=256,
+            max_len=64,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+        )
         config.data.update(
-            name="tiny_translation", vocab_size=384, max_length=48, eval_split="validation",
-            num_eval_examples=256, worker_count=0,
-        )  # fmt: skip
+            name="tiny_translation",
+            vocab_size=384,
+            max_length=48,
+            eval_split="validation",
+            num_eval_examples=256,
+            worker_count=0,
+        )
         config.optimizer.learning_rate = 0.003
         config.optimizer.warmup_steps = 100
         config.optimizer.min_shard_bytes = 4096

@@ -23,8 +23,16 @@ import time
 def run(processes: int, cpu_devices: int, trainer_args: list[str]) -> dict:
     """One launch; returns its start-up time and final steps/s."""
     workdir = tempfile.mkdtemp(prefix=f"launch_bench_p{processes}_")
-    cmd = [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
-           f"--cpu_devices={cpu_devices}", "--", *trainer_args, f"--workdir={workdir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        f"--num_processes={processes}",
+        f"--cpu_devices={cpu_devices}",
+        "--",
+        *trainer_args,
+        f"--workdir={workdir}",
+    ]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     start = time.perf_counter()
@@ -39,8 +47,11 @@ def run(processes: int, cpu_devices: int, trainer_args: list[str]) -> dict:
         raise RuntimeError(f"{processes} processes failed (exit {proc.returncode})")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return {"processes": processes, "first_step_s": first_step,
-            "steps_per_sec": rows[-1]["steps_per_sec"]}  # fmt: skip
+    return {
+        "processes": processes,
+        "first_step_s": first_step,
+        "steps_per_sec": rows[-1]["steps_per_sec"],
+    }
 
 
 def main() -> None:
@@ -53,8 +64,10 @@ def main() -> None:
     results = [run(int(p), args.cpu_devices, trainer_args) for p in args.processes.split(",")]
     base = results[0]["steps_per_sec"]
     for r in results:
-        print(f"{r['processes']} process(es): first step after {r['first_step_s']:.1f}s, "
-              f"{r['steps_per_sec']:.2f} steps/s (x{r['steps_per_sec'] / base:.2f})")  # fmt: skip
+        print(
+            f"{r['processes']} process(es): first step after {r['first_step_s']:.1f}s, "
+            f"{r['steps_per_sec']:.2f} steps/s (x{r['steps_per_sec'] / base:.2f})"
+        )
 
 
 if __name__ == "__main__":

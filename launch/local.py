@@ -103,19 +103,29 @@ def launch(
     launcher = os.getpid()
     for i in range(num_processes):
         cmd = [
-            sys.executable, "-m", module, *trainer_args,
-            f"--coordinator_address={address}", f"--num_processes={num_processes}",
-            f"--process_id={i}", f"--cpu_devices={cpu_devices // num_processes}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            module,
+            *trainer_args,
+            f"--coordinator_address={address}",
+            f"--num_processes={num_processes}",
+            f"--process_id={i}",
+            f"--cpu_devices={cpu_devices // num_processes}",
+        ]
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # the device count comes from --cpu_devices
         # Started before any thread of ours runs, so preexec_fn is safe here.
         procs.append(
             subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                process_group=0, preexec_fn=lambda: _die_with(launcher, libc),
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                process_group=0,
+                preexec_fn=lambda: _die_with(launcher, libc),
             )
-        )  # fmt: skip
+        )
     pumps = [
         threading.Thread(target=_pump, args=(f"[p{i}]", p.stdout, sys.stdout), daemon=True)
         for i, p in enumerate(procs)
@@ -145,8 +155,11 @@ def _supervise(procs: list[subprocess.Popen], forwarded: list[int], grace_s: flo
         codes = [p.wait() for p in procs]
         return next((c if c > 0 else 128 - c for c in codes if c), 0)
     index, code = failed
-    print(f"[launch] process {index} exited with code {code}; stopping the others",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[launch] process {index} exited with code {code}; stopping the others",
+        file=sys.stderr,
+        flush=True,
+    )
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -34,8 +34,15 @@ def _run(
 
     With ``measure_only`` the run is killed at its first progress line.
     """
-    cmd = [sys.executable, "-m", "trainer", *trainer_args, f"--workdir={workdir}",
-           f"--config.num_train_steps={steps}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        *trainer_args,
+        f"--workdir={workdir}",
+        f"--config.num_train_steps={steps}",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -81,17 +88,24 @@ def main() -> None:
                 results[kind].append(
                     _run(trainer_args, workdir, 3 * args.steps, *extra, measure_only=True)
                 )
-                print(f"{kind:>8}: first step after {results[kind][-1][0]:.1f}s "
-                      f"(loop compile {results[kind][-1][1]:.1f}s)", flush=True)  # fmt: skip
+                print(
+                    f"{kind:>8}: first step after {results[kind][-1][0]:.1f}s "
+                    f"(loop compile {results[kind][-1][1]:.1f}s)",
+                    flush=True,
+                )
         medians = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
         for kind, runs in results.items():
-            print(f"{kind:>8}: median {medians[kind]:.1f}s to the first step "
-                  f"({', '.join(f'{t:.1f}' for t, _ in runs)}); loop compile "
-                  f"{', '.join(f'{c:.1f}' for _, c in runs)}s")  # fmt: skip
+            print(
+                f"{kind:>8}: median {medians[kind]:.1f}s to the first step "
+                f"({', '.join(f'{t:.1f}' for t, _ in runs)}); loop compile "
+                f"{', '.join(f'{c:.1f}' for _, c in runs)}s"
+            )
         cached, uncached = results["cache"], results["no cache"]
         pairs = [n / c for (c, _), (n, _) in zip(cached, uncached, strict=True)]
-        print(f"no cache / cache: {medians['no cache'] / medians['cache']:.2f} (medians), "
-              f"pairwise {', '.join(f'{r:.2f}' for r in pairs)}")  # fmt: skip
+        print(
+            f"no cache / cache: {medians['no cache'] / medians['cache']:.2f} (medians), "
+            f"pairwise {', '.join(f'{r:.2f}' for r in pairs)}"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -41,9 +41,14 @@ def _cached_decoder(
     def run_decoder(cache: Any, tokens: jax.Array, positions: Any) -> tuple[jax.Array, Any]:
         variables = {"params": params} if cache is None else {"params": params, "cache": cache}
         logits, mutated = decoder.apply(
-            variables, encoded, inputs, tokens, targets_positions=positions, mutable=["cache"],
+            variables,
+            encoded,
+            inputs,
+            tokens,
+            targets_positions=positions,
+            mutable=["cache"],
             method="decode",
-        )  # fmt: skip
+        )
         return logits, mutated["cache"]
 
     # A pass over a full-length dummy target creates the cache, [rows, max_decode_len, ...]
@@ -139,9 +144,14 @@ def beam_decode(
         return logits[:, 0], cache
 
     return beam_search(
-        step_fn, cache, batch_size=batch, beam_size=beam_size, max_len=max_decode_len,
-        eos_id=eos_id, alpha=alpha,
-    )  # fmt: skip
+        step_fn,
+        cache,
+        batch_size=batch,
+        beam_size=beam_size,
+        max_len=max_decode_len,
+        eos_id=eos_id,
+        alpha=alpha,
+    )
 
 
 def decode(
@@ -164,7 +174,12 @@ def decode(
     if beam_size == 1:
         return greedy_decode(model, params, inputs, max_decode_len=max_decode_len, eos_id=eos_id)
     seqs, _ = beam_decode(
-        model, params, inputs, beam_size=beam_size, max_decode_len=max_decode_len, alpha=alpha,
+        model,
+        params,
+        inputs,
+        beam_size=beam_size,
+        max_decode_len=max_decode_len,
+        alpha=alpha,
         eos_id=eos_id,
-    )  # fmt: skip
+    )
     return seqs[:, 0]

@@ -101,9 +101,12 @@ def shift_right(targets: Array, segmentation: Array | None = None) -> Array:
 
 
 def attention_mask(
-    q_valid: Array, k_valid: Array, q_seg: Array | None = None, k_seg: Array | None = None,
+    q_valid: Array,
+    k_valid: Array,
+    q_seg: Array | None = None,
+    k_seg: Array | None = None,
     causal: bool = False,
-) -> Array:  # fmt: skip
+) -> Array:
     """Boolean [batch, 1, q_len, k_len] mask, True where a query may attend to a key."""
     mask = q_valid[:, :, None] & k_valid[:, None, :]
     if q_seg is not None:
@@ -126,8 +129,9 @@ class Embedding(nn.Module):
         # Std features^-1/2 puts the tied logits at unit scale; inputs get * sqrt(features).
         init = nn.initializers.normal(stddev=self.features**-0.5)
         shape = (self.num_embeddings, self.features)
-        self.embedding = self.param("embedding", _named(init, "vocab", "embed"), shape,
-                                    self.param_dtype)  # fmt: skip
+        self.embedding = self.param(
+            "embedding", _named(init, "vocab", "embed"), shape, self.param_dtype
+        )
 
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
@@ -262,8 +266,12 @@ class Transformer(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
-        table = dict(num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=cfg.dtype,
-                     param_dtype=cfg.param_dtype)  # fmt: skip
+        table = dict(
+            num_embeddings=cfg.vocab_size,
+            features=cfg.emb_dim,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+        )
         if cfg.share_embeddings:
             self.shared_embedding = Embedding(**table)
         else:  # Separate source, target and output (logits) tables.
@@ -374,14 +382,20 @@ class Transformer(nn.Module):
         if longest > self.config.max_len:
             raise ValueError(f"sequence length {longest} exceeds max_len {self.config.max_len}")
         encoded = self.encode(
-            inputs, inputs_positions=inputs_positions, inputs_segmentation=inputs_segmentation,
+            inputs,
+            inputs_positions=inputs_positions,
+            inputs_segmentation=inputs_segmentation,
             train=train,
-        )  # fmt: skip
+        )
         return self.decode(
-            encoded, inputs, targets, targets_positions=targets_positions,
-            inputs_segmentation=inputs_segmentation, targets_segmentation=targets_segmentation,
+            encoded,
+            inputs,
+            targets,
+            targets_positions=targets_positions,
+            inputs_segmentation=inputs_segmentation,
+            targets_segmentation=targets_segmentation,
             train=train,
-        )  # fmt: skip
+        )
 
 
 def param_count(config: TransformerConfig) -> int:

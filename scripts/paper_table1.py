@@ -25,31 +25,40 @@ _FIG11 = "small (Fig. 11; no number in the text)"
 SETUPS = {
     # The config shards in groups of 64 (its measured best); this row is all 2048.
     "transformer_2048": (
-        "configs/transformer_1024.py:synthetic", "v3:32x32",
-        ["--config.optimizer.shard_group_size=0"], "46.5 -> 25.6 ms (0.55), text of 6.1",
+        "configs/transformer_1024.py:synthetic",
+        "v3:32x32",
+        ["--config.optimizer.shard_group_size=0"],
+        "46.5 -> 25.6 ms (0.55), text of 6.1",
     ),
     "resnet50_2048": ("configs/resnet50_1024.py", "v3:32x32", [], "~0.94 (6% faster), text of 6.1"),
     "transformer_32": (
-        "configs/transformer_16.py:synthetic", "v3:4x4", [], "~0.91 (about 9% faster), text of 6.1",
+        "configs/transformer_16.py:synthetic",
+        "v3:4x4",
+        [],
+        "~0.91 (about 9% faster), text of 6.1",
     ),
     "resnet50_32": ("configs/resnet50_16.py", "v3:4x4", [], _FIG11),
     "ncf_32": ("configs/ncf_16.py", "v3:4x4", [], _FIG11),
     # Partial sharding (paper 5.2: groups of 64 save as much update time as 2048-way).
     "transformer_2048_g64": (
-        "configs/transformer_1024.py:synthetic", "v3:32x32",
-        ["--config.optimizer.shard_group_size=64"], "(section 5.2: partial sharding)",
+        "configs/transformer_1024.py:synthetic",
+        "v3:32x32",
+        ["--config.optimizer.shard_group_size=64"],
+        "(section 5.2: partial sharding)",
     ),
     "transformer_2048_sgd": (
-        "configs/transformer_1024.py:synthetic", "v3:32x32",
+        "configs/transformer_1024.py:synthetic",
+        "v3:32x32",
         ["--config.optimizer.name=sgd", "--config.optimizer.shard_group_size=0"],
         "Fig. 8: Adam's peak memory close to SGD's",
     ),
     "transformer_2048_g64_sgd": (
-        "configs/transformer_1024.py:synthetic", "v3:32x32",
+        "configs/transformer_1024.py:synthetic",
+        "v3:32x32",
         ["--config.optimizer.name=sgd", "--config.optimizer.shard_group_size=64"],
         "Fig. 8: Adam's peak memory close to SGD's",
     ),
-}  # fmt: skip
+}
 
 
 def run(name: str, out: str, force: bool) -> dict:
@@ -58,8 +67,20 @@ def run(name: str, out: str, force: bool) -> dict:
     if force or not os.path.exists(path):
         config, topology, extra, _ = SETUPS[name]
         modes = "wus" if name.startswith("transformer_2048_") else "none,wus"
-        cmd = [sys.executable, "-m", "trainer.aot", "--config", config, "--topology", topology,
-               "--modes", modes, "--json", path, *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.aot",
+            "--config",
+            config,
+            "--topology",
+            topology,
+            "--modes",
+            modes,
+            "--json",
+            path,
+            *extra,
+        ]
         print("$", " ".join(cmd[1:]), flush=True)
         log = os.path.join(out, f"{name}.log")
         with open(log, "w") as f:

@@ -37,8 +37,12 @@ TIMING = {"steps_per_sec", "examples_per_sec", "mfu", "tokens_per_sec"}
 # a loop and a save every 2 steps, one eval batch every 8 steps).
 PASSES = {"compile": 1, "loop": STEPS // 2, "save": STEPS // 2, "eval": STEPS // 8}
 ACTIONS = ("kill", "term", "int", "int2", "enospc")
-SIGNALS = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT],
-           "int2": [signal.SIGINT, signal.SIGINT]}  # fmt: skip
+SIGNALS = {
+    "kill": [signal.SIGKILL],
+    "term": [signal.SIGTERM],
+    "int": [signal.SIGINT],
+    "int2": [signal.SIGINT, signal.SIGINT],
+}
 
 
 def expected_codes(way: str, out: str) -> set[int]:
@@ -55,13 +59,25 @@ def expected_codes(way: str, out: str) -> set[int]:
 
 def command(workdir: str, data_dir: str, cache: str) -> list[str]:
     return [
-        sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
-        "--workdir", workdir, "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
-        f"--config.compilation_cache_dir={cache}", f"--config.num_train_steps={STEPS}",
-        "--config.steps_per_loop=2", "--config.log_every_steps=2",
-        "--config.eval_every_steps=8", "--config.checkpoint_every_steps=2",
-        "--config.data.num_eval_examples=16", "--config.max_decode_length=8",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        "configs/transformer_1024.py:tiny",
+        "--workdir",
+        workdir,
+        "--cpu_devices",
+        "8",
+        f"--config.data.data_dir={data_dir}",
+        f"--config.compilation_cache_dir={cache}",
+        f"--config.num_train_steps={STEPS}",
+        "--config.steps_per_loop=2",
+        "--config.log_every_steps=2",
+        "--config.eval_every_steps=8",
+        "--config.checkpoint_every_steps=2",
+        "--config.data.num_eval_examples=16",
+        "--config.max_decode_length=8",
+    ]
 
 
 def start(workdir: str, args, fault: str | None) -> subprocess.Popen:
@@ -71,9 +87,13 @@ def start(workdir: str, args, fault: str | None) -> subprocess.Popen:
     if fault:
         env["WUS_FAULT"] = fault
     return subprocess.Popen(
-        command(workdir, args.data_dir, args.cache), cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        command(workdir, args.data_dir, args.cache),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def rows(workdir: str) -> dict[int, dict]:

@@ -39,15 +39,30 @@ def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulat
     """A 1+1-layer Transformer on random tokens for exact step comparisons: ``mesh`` is
     data8, data4_model2, group2 (shard_group_size 2) or devices6."""
     config = transformer_1024.get_config("tiny,synthetic")
-    config.model.update(vocab_size=64, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64,
-                        num_encoder_layers=1, num_decoder_layers=1, dtype=dtype)  # fmt: skip
+    config.model.update(
+        vocab_size=64,
+        emb_dim=32,
+        num_heads=2,
+        qkv_dim=32,
+        mlp_dim=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dtype=dtype,
+    )
     config.data.update(vocab_size=64, max_length=8)
     config.global_batch_size = 16
     config.num_train_steps = 100
     config.optimizer.update(
-        name=opt, update_sharding=mode, min_shard_bytes=0, clip_norm=0.5, warmup_steps=2,
-        learning_rate=0.01, weight_decay=0.01, schedule="constant", accumulate_steps=accumulate,
-    )  # fmt: skip
+        name=opt,
+        update_sharding=mode,
+        min_shard_bytes=0,
+        clip_norm=0.5,
+        warmup_steps=2,
+        learning_rate=0.01,
+        weight_decay=0.01,
+        schedule="constant",
+        accumulate_steps=accumulate,
+    )
     if mesh == "data4_model2":
         config.mesh.axes.update(data=4, model=2)
     elif mesh == "group2":

@@ -49,10 +49,19 @@ def tiny_config(**overrides):
 def report(devices, tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     cmd = [
-        sys.executable, "-m", "trainer.aot", "--config", "configs/transformer_1024.py:tiny",
-        "--topology", TOPOLOGY, "--modes", "none,wus,fsdp", "--json", str(out),
+        sys.executable,
+        "-m",
+        "trainer.aot",
+        "--config",
+        "configs/transformer_1024.py:tiny",
+        "--topology",
+        TOPOLOGY,
+        "--modes",
+        "none,wus,fsdp",
+        "--json",
+        str(out),
         "--config.steps_per_loop=2",
-    ]  # fmt: skip
+    ]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(out) as f:
@@ -64,9 +73,13 @@ def test_json_schema(report):
     assert set(results) == {"none", "wus", "fsdp"}
     for r in results.values():
         for key, kind in (
-            ("hbm_bytes_per_core", int), ("hbm_capacity_bytes", float), ("fits", bool),
-            ("flops_per_step", float), ("xla_optimal_seconds", float), ("compile_s", float),
-        ):  # fmt: skip
+            ("hbm_bytes_per_core", int),
+            ("hbm_capacity_bytes", float),
+            ("fits", bool),
+            ("flops_per_step", float),
+            ("xla_optimal_seconds", float),
+            ("compile_s", float),
+        ):
             assert isinstance(r[key], kind), key
         assert set(r["est_step_time_s"]) == {"overlap", "no_overlap"}
         assert r["collectives"]
@@ -153,9 +166,15 @@ def test_full_remat_lowers_hbm(devices):
     # Activations must dominate: 3+3 layers, 8 rows of 32 tokens per core.
     hbm = {}
     for remat in ("none", "full"):
-        config = tiny_config(**{"model.remat": remat, "model.num_encoder_layers": 3,
-                                "model.num_decoder_layers": 3, "data.max_length": 32,
-                                "global_batch_size": 64})  # fmt: skip
+        config = tiny_config(
+            **{
+                "model.remat": remat,
+                "model.num_encoder_layers": 3,
+                "model.num_decoder_layers": 3,
+                "data.max_length": 32,
+                "global_batch_size": 64,
+            }
+        )
         hbm[remat] = aot_analysis.analyze(config, devices, "wus")["hbm_bytes_per_core"]
     assert hbm["full"] < 0.95 * hbm["none"]  # 42.2 -> 38.0 MB when written
 
@@ -164,8 +183,14 @@ def test_does_not_fit_is_reported(devices, capsys):
     # 1.07e9 f32 embedding entries: 4 GiB of weights, 12 GiB with Adam, replicated,
     # and an f32 gradient of 4 GiB. (Twice that puts 8 GiB in one buffer, which the
     # v3 compiler refuses as an invalid program even with xla_tpu_no_crash_on_oom.)
-    config = tiny_config(**{"model.vocab_size": 1_048_576, "model.emb_dim": 1024,
-                            "model.qkv_dim": 1024, "model.num_heads": 4})  # fmt: skip
+    config = tiny_config(
+        **{
+            "model.vocab_size": 1_048_576,
+            "model.emb_dim": 1024,
+            "model.qkv_dim": 1024,
+            "model.num_heads": 4,
+        }
+    )
     config.data.vocab_size = 1_048_576
     result = aot_analysis.analyze(config, devices, "none")
     assert not result["fits"]
@@ -189,9 +214,15 @@ def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
         step = {"none": 5.0}.get(key[0], 4.0 - (key[1] or 8) / 8)
         fits = key != ("wus", 0, 4096)
         est = {"overlap": step, "no_overlap": step + (key[2] > 4096)}
-        return {"mode": key[0], "shard_group_size": key[1], "min_shard_bytes": key[2],
-                "fits": fits, "hbm_bytes_per_core": 1, "hbm_capacity_bytes": 2,
-                "est_step_time_s": est}  # fmt: skip
+        return {
+            "mode": key[0],
+            "shard_group_size": key[1],
+            "min_shard_bytes": key[2],
+            "fits": fits,
+            "hbm_bytes_per_core": 1,
+            "hbm_capacity_bytes": 2,
+            "est_step_time_s": est,
+        }
 
     monkeypatch.setattr(aot_analysis, "analyze", fake_analyze)
     chosen, rows, best = aot_analysis.choose_update_sharding(config, devices, log=lambda _: None)
@@ -203,9 +234,10 @@ def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
     assert best["mode"] == "fsdp"
 
     monkeypatch.setattr(
-        aot_analysis, "analyze",
+        aot_analysis,
+        "analyze",
         lambda trial, devs: {**fake_analyze(trial, devs), "fits": False, "hbm_bytes_per_core": 3},
-    )  # fmt: skip
+    )
     with pytest.raises(ConfigError, match="no candidate fits"):
         aot_analysis.choose_update_sharding(config, devices, log=lambda _: None)
 
@@ -240,8 +272,7 @@ def test_tasks_build_without_data(name):
     exp = experiment.build(config, with_data=False)
     assert exp.task.train_data is None
     logical = jax.eval_shape(exp.plan.to_logical, exp.abstract_state.params)
-    leaves = {jax.tree_util.keystr(k): v for k, v in
-              jax.tree_util.tree_leaves_with_path(logical)}  # fmt: skip
+    leaves = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(logical)}
     if "ncf" in name:
         rows = {k: v.shape[0] for k, v in leaves.items() if "user" in k or "item" in k}
         assert sorted(set(rows.values())) == [26_744, 138_493] and len(rows) == 4

@@ -56,7 +56,7 @@ def test_length_penalty_decides_between_short_and_long(alpha):
             max_len=4,
             eos_id=EOS,
             alpha=alpha,
-        )  # fmt: skip
+        )
     )()
     short, long = math.log(0.40), (math.log(0.39) + math.log(0.95)) / (7 / 6) ** alpha
     ranked = sorted([(short, [EOS, 0, 0, 0]), (long, [A, EOS, 0, 0])], reverse=True)
@@ -66,9 +66,16 @@ def test_length_penalty_decides_between_short_and_long(alpha):
 
 def _tiny_transformer(vocab: int):
     cfg = TransformerConfig(
-        vocab_size=vocab, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64,
-        num_encoder_layers=1, num_decoder_layers=2, max_len=16, dtype=jnp.float32,
-    )  # fmt: skip
+        vocab_size=vocab,
+        emb_dim=32,
+        num_heads=2,
+        qkv_dim=32,
+        mlp_dim=64,
+        num_encoder_layers=1,
+        num_decoder_layers=2,
+        max_len=16,
+        dtype=jnp.float32,
+    )
     model = Transformer(cfg)
     ones = jnp.ones((1, 4), jnp.int32)
     params = jax.jit(model.init)(jax.random.PRNGKey(3), ones, ones)["params"]
@@ -101,7 +108,7 @@ def test_exhaustive_search_equals_brute_force():
     seqs, scores = jax.jit(
         lambda p, x: decode_lib.beam_decode(
             model, p, x, beam_size=75, max_decode_len=max_len, alpha=alpha, eos_id=EOS
-        )  # fmt: skip
+        )
     )(params, inputs)
     # (Compiled, it fuses differently from the search: scores agree to ~4e-6 relative.)
     logp_of = jax.jit(lambda p, x, y: _teacher_forced_logp(model, p, x, y))
@@ -137,7 +144,7 @@ def test_beam_of_one_without_penalty_is_greedy():
     beam = jax.jit(
         lambda p, x: decode_lib.beam_decode(
             model, p, x, beam_size=1, max_decode_len=10, alpha=0.0, eos_id=STOP
-        )[0][:, 0]  # fmt: skip
+        )[0][:, 0]
     )(params, inputs)
     assert (greedy == STOP).any() and not (greedy == STOP).any(1).all()
     np.testing.assert_array_equal(beam, greedy)
@@ -151,7 +158,7 @@ def test_padded_rows_decode_as_when_alone():
     run = jax.jit(
         lambda p, x: decode_lib.decode(
             model, p, x, beam_size=4, max_decode_len=10, alpha=0.6, eos_id=STOP
-        )  # fmt: skip
+        )
     )
     together = np.asarray(run(params, inputs))
     assert np.all(np.isfinite(together))

@@ -23,10 +23,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny(data_dir, **overrides):
     return tiny_translation(
-        data_dir, **{"data.num_eval_examples": 16, "max_decode_length": 8,
-                     "num_train_steps": 20, "steps_per_loop": 5, "log_every_steps": 5,
-                     "eval_every_steps": 0, "checkpoint_every_steps": 10, **overrides},
-    )  # fmt: skip
+        data_dir,
+        **{
+            "data.num_eval_examples": 16,
+            "max_decode_length": 8,
+            "num_train_steps": 20,
+            "steps_per_loop": 5,
+            "log_every_steps": 5,
+            "eval_every_steps": 0,
+            "checkpoint_every_steps": 10,
+            **overrides,
+        },
+    )
 
 
 def logical_params(exp, state):
@@ -150,12 +158,29 @@ def _start(workdir, data_dir, *overrides):
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
-         "--workdir", workdir, "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
-         "--config.num_train_steps=100000", "--config.steps_per_loop=5",
-         "--config.log_every_steps=5", "--config.eval_every_steps=0", *overrides],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--config",
+            "configs/transformer_1024.py:tiny",
+            "--workdir",
+            workdir,
+            "--cpu_devices",
+            "8",
+            f"--config.data.data_dir={data_dir}",
+            "--config.num_train_steps=100000",
+            "--config.steps_per_loop=5",
+            "--config.log_every_steps=5",
+            "--config.eval_every_steps=0",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for(proc, text, timeout=240):

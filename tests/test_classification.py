@@ -13,8 +13,13 @@ def test_tiny_resnet_learns(tmp_path, module):
     config = module.get_config("tiny")
     config.data.data_dir = str(tmp_path / "tfds")
     config.data.num_eval_examples = 128
-    config.update(global_batch_size=64, num_train_steps=120, log_every_steps=20,
-                  eval_every_steps=120, checkpoint_every_steps=0)  # fmt: skip
+    config.update(
+        global_batch_size=64,
+        num_train_steps=120,
+        log_every_steps=20,
+        eval_every_steps=120,
+        checkpoint_every_steps=0,
+    )
     state = train_lib.train(config, str(tmp_path / "run"))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]

@@ -62,7 +62,7 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 os.path.join(tmp, "cpu"),
             ],
             "--cpu_devices must be >= 0",
-        ),  # fmt: skip
+        ),
         "keep no checkpoint": (
             trainer("keep", "--config.keep_checkpoints=0"),
             "keep_checkpoints must be >= 1",
@@ -96,7 +96,7 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 f"--config.data.data_dir={afile}",
             ],
             f"data.data_dir={afile} is a file, not a directory",
-        ),  # fmt: skip
+        ),
         "launcher without processes": (
             ["launch.local", "--num_processes", "0", "--", *TINY],
             "--num_processes must be >= 1, got 0",
@@ -116,15 +116,19 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 "8",
             ],
             "--steps_per_loop: expected loop lengths",
-        ),  # fmt: skip
+        ),
     }
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", *command],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +158,13 @@ def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
 
     # A live run's lock: held (flock) by this process, with the holder's description.
     lock = os.open(tmp_path / "run.lock", os.O_RDWR | os.O_CREAT)
-    holder = {"id": "x", "host": "otherhost", "pid": 4242, "started": time.time(),
-              "command": "python -m trainer --config first"}  # fmt: skip
+    holder = {
+        "id": "x",
+        "host": "otherhost",
+        "pid": 4242,
+        "started": time.time(),
+        "command": "python -m trainer --config first",
+    }
     os.write(lock, json.dumps(holder).encode())
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
@@ -165,8 +174,9 @@ def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {tmp_path} is in use by another run (pid 4242 on host "
-                           "otherhost, started "), last  # fmt: skip
+    assert last.startswith(
+        f"error: {tmp_path} is in use by another run (pid 4242 on host otherhost, started "
+    ), last
     assert "python -m trainer --config first" in last
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.json").exists()
 
@@ -190,11 +200,27 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
 def test_launcher_killed_takes_its_processes_along(tmp_path):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", "--num_processes", "2", "--cpu_devices", "2",
-         "--", "--config", "configs/transformer_1024.py:tiny", "--workdir", str(tmp_path),
-         f"--config.data.data_dir={tmp_path / 'tfds'}", "--config.num_train_steps=100000"],
-        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--num_processes",
+            "2",
+            "--cpu_devices",
+            "2",
+            "--",
+            "--config",
+            "configs/transformer_1024.py:tiny",
+            "--workdir",
+            str(tmp_path),
+            f"--config.data.data_dir={tmp_path / 'tfds'}",
+            "--config.num_train_steps=100000",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 60
     while len(children := _children(launcher.pid)) < 2 and time.time() < deadline:
         time.sleep(0.05)

@@ -135,32 +135,40 @@ def test_gke_multislice(monkeypatch, tpu_vm):
 
 
 def test_gce_tpu_vm_pod_from_the_metadata_server(metadata_server):
-    metadata_server.attributes.update({
-        "agent-worker-number": "3",
-        # The older name:id:ip format; JAX takes the addresses.
-        "worker-network-endpoints": ",".join(f"w{i}:{i}:127.0.0.{i + 1}" for i in range(4)),
-        "tpu-env": "ACCELERATOR_TYPE: 'v3-32'\n",
-    })  # fmt: skip
+    metadata_server.attributes.update(
+        {
+            "agent-worker-number": "3",
+            # The older name:id:ip format; JAX takes the addresses.
+            "worker-network-endpoints": ",".join(f"w{i}:{i}:127.0.0.{i + 1}" for i in range(4)),
+            "tpu-env": "ACCELERATOR_TYPE: 'v3-32'\n",
+        }
+    )
     assert cluster.detect() == cluster.Job("gcetpu", "127.0.0.1:8482", 4, 3, None)
     assert metadata_server.requests
     assert {flavor for _, flavor in metadata_server.requests} == {"Google"}
 
 
 def test_gce_multislice_from_the_metadata_server(metadata_server):
-    metadata_server.attributes.update({
-        "agent-worker-number": "1",
-        "worker-network-endpoints": "localhost,worker-1",
-        "tpu-env": "MEGASCALE_COORDINATOR_ADDRESS: '127.0.0.9'\nMEGASCALE_NUM_SLICES: '4'\n"
-                   "MEGASCALE_SLICE_ID: '2'\n",
-    })  # fmt: skip
+    metadata_server.attributes.update(
+        {
+            "agent-worker-number": "1",
+            "worker-network-endpoints": "localhost,worker-1",
+            "tpu-env": "MEGASCALE_COORDINATOR_ADDRESS: '127.0.0.9'\nMEGASCALE_NUM_SLICES: '4'\n"
+            "MEGASCALE_SLICE_ID: '2'\n",
+        }
+    )
     # 2 workers a slice, 4 slices; slice 2, worker 1.
     assert cluster.detect() == cluster.Job("gcetpu", "127.0.0.9:8482", 8, 5, None)
 
 
 def test_a_tpu_vm_without_a_pod_is_a_job_of_one(metadata_server):
-    metadata_server.attributes.update({
-        "agent-worker-number": "0", "worker-network-endpoints": "localhost", "tpu-env": "",
-    })  # fmt: skip
+    metadata_server.attributes.update(
+        {
+            "agent-worker-number": "0",
+            "worker-network-endpoints": "localhost",
+            "tpu-env": "",
+        }
+    )
     assert cluster.detect() == cluster.Job("gcetpu", "localhost:8482", 1, 0, None)
 
 
@@ -178,11 +186,16 @@ def test_initialize_passes_the_job_on_and_stops_jax_detecting_again(monkeypatch,
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     cluster.initialize(cluster.Job("slurm", "gpu003:62674", 16, 11, devices), heartbeat_timeout_s=7)
     assert calls == [
-        dict(coordinator_address="gpu003:62674", num_processes=16, process_id=11,
-             local_device_ids=None if devices is None else list(devices),
-             cluster_detection_method="deactivate", heartbeat_timeout_seconds=7,
-             initialization_timeout=60)
-    ]  # fmt: skip
+        dict(
+            coordinator_address="gpu003:62674",
+            num_processes=16,
+            process_id=11,
+            local_device_ids=None if devices is None else list(devices),
+            cluster_detection_method="deactivate",
+            heartbeat_timeout_seconds=7,
+            initialization_timeout=60,
+        )
+    ]
 
 
 _PROBE = """
@@ -203,8 +216,13 @@ def test_two_slurm_tasks_really_join(nodes, visible):
     the GPU of their local rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
     env.pop("XLA_FLAGS", None)
-    env.update(SLURM_JOB_ID="77", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
-               SLURM_STEP_NUM_NODES=str(nodes), JAX_COORDINATOR_PORT=str(free_port()))  # fmt: skip
+    env.update(
+        SLURM_JOB_ID="77",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        SLURM_STEP_NUM_NODES=str(nodes),
+        JAX_COORDINATOR_PORT=str(free_port()),
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PROBE],
@@ -213,7 +231,7 @@ def test_two_slurm_tasks_really_join(nodes, visible):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i if nodes == 1 else 0)},
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]

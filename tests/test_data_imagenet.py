@@ -28,9 +28,16 @@ def data_dir(tmp_path_factory):
 
 
 def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
-    config = {"name": "tiny_images", "data_dir": str(data_dir), "train_split": "train",
-              "worker_count": 0, "worker_buffer_size": 2, "image_size": 32,
-              "eval_split": "validation", "num_eval_examples": -1}  # fmt: skip
+    config = {
+        "name": "tiny_images",
+        "data_dir": str(data_dir),
+        "train_split": "train",
+        "worker_count": 0,
+        "worker_buffer_size": 2,
+        "image_size": 32,
+        "eval_split": "validation",
+        "num_eval_examples": -1,
+    }
     config.update(overrides)
     return ml_collections.ConfigDict(config)
 
@@ -227,8 +234,9 @@ def test_resume_from_state_of_another_process_count(data_dir):
     state = shares[0].train.get_state()
     assert state == shares[1].train.get_state() == {"global_batch": 3}
     halves = [_take(share.train, 2) for share in shares]
-    expected = [{k: np.concatenate([h[step][k] for h in halves]) for k in TRAIN_KEYS}
-                for step in range(2)]  # fmt: skip
+    expected = [
+        {k: np.concatenate([h[step][k] for h in halves]) for k in TRAIN_KEYS} for step in range(2)
+    ]
     resumed = _make(_config(data_dir))
     resumed.train.set_state(state)
     for a, b in zip(expected, _take(resumed.train, 2), strict=True):

@@ -140,8 +140,11 @@ def test_leave_one_out_and_one_epoch_of_training_rows(tiny_dir, reference):
     epochs = [{k: v[i * epoch : (i + 1) * epoch] for k, v in both.items()} for i in range(2)]
     for rows in epochs:
         assert {k: v.dtype for k, v in rows.items()} == {
-            "users": np.int32, "items": np.int32, "labels": np.float32, "weights": np.float32
-        }  # fmt: skip
+            "users": np.int32,
+            "items": np.int32,
+            "labels": np.float32,
+            "weights": np.float32,
+        }
         assert (rows["weights"] == 1).all()
         positive = rows["labels"] == 1
         assert positive.sum() == num_positives  # Exactly 1:4.
@@ -303,14 +306,22 @@ def _mock_ratings(features):
     letters = list("abcdefghij")
     users = ["".join(rng.choice(letters, 12)) for _ in range(30)]
     movies = ["".join(rng.choice(letters, 12)) for _ in range(80)]
-    ratings = [(users[rng.integers(30)], movies[rng.integers(80)], int(rng.integers(40)))
-               for _ in range(600)]  # fmt: skip
+    ratings = [
+        (users[rng.integers(30)], movies[rng.integers(80)], int(rng.integers(40)))
+        for _ in range(600)
+    ]
     ratings.append(("single_user", "only_rated_by_single_user", 5))  # Both are dropped.
     examples = [
-        {"user_id": u, "movie_id": m, "timestamp": t, "movie_title": "a title",
-         "movie_genres": [int(rng.integers(21))], "user_rating": 3.5}
+        {
+            "user_id": u,
+            "movie_id": m,
+            "timestamp": t,
+            "movie_title": "a title",
+            "movie_genres": [int(rng.integers(21))],
+            "user_rating": 3.5,
+        }
         for u, m, t in ratings
-    ]  # fmt: skip
+    ]
     return [features.serialize_example(ex) for ex in examples], ratings
 
 
@@ -345,9 +356,11 @@ def test_movielens_20m_pipeline_on_mock_data(tmp_path):
     for _ in range(5):
         batch = next(data.train)
         assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
-            "users": ((8,), "int32"), "items": ((8,), "int32"),
-            "labels": ((8,), "float32"), "weights": ((8,), "float32"),
-        }  # fmt: skip
+            "users": ((8,), "int32"),
+            "items": ((8,), "int32"),
+            "labels": ((8,), "float32"),
+            "weights": ((8,), "float32"),
+        }
         for u, i, label in zip(batch["users"], batch["items"], batch["labels"], strict=True):
             assert ((int(u), int(i)) in positives) == (label == 1)
     batches = list(data.eval_batches())
@@ -388,11 +401,16 @@ def test_vectorised_parser_reads_tfds_records_like_protobuf():
     features = tfds.builder(ML20M).info.features
     rng = np.random.default_rng(3)
     examples = [
-        {"user_id": str(int(rng.integers(1, 10**6))), "movie_id": str(int(rng.integers(1, 10**5))),
-         "timestamp": int(rng.integers(0, 2**40)), "movie_title": "t" * int(rng.integers(1, 300)),
-         "movie_genres": [int(rng.integers(21))], "user_rating": 3.5}
+        {
+            "user_id": str(int(rng.integers(1, 10**6))),
+            "movie_id": str(int(rng.integers(1, 10**5))),
+            "timestamp": int(rng.integers(0, 2**40)),
+            "movie_title": "t" * int(rng.integers(1, 300)),
+            "movie_genres": [int(rng.integers(21))],
+            "user_rating": 3.5,
+        }
         for _ in range(500)
-    ]  # fmt: skip
+    ]
     records = [features.serialize_example(example) for example in examples]
     assert max(map(len, records)) > 300  # Some lengths need two-byte varints.
     users, items, times = ratings.parse_chunk(records)

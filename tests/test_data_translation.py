@@ -348,8 +348,9 @@ def test_missing_tfds_dataset_raises_a_clear_error(tmp_path, name):
 
 
 def test_synthetic_data_is_deterministic_and_sharded():
-    config = _config(None, name="synthetic", vocab_size=100, max_length=16, pack=True,
-                     num_eval_examples=12)  # fmt: skip
+    config = _config(
+        None, name="synthetic", vocab_size=100, max_length=16, pack=True, num_eval_examples=12
+    )
     data = _make(config, seed=5)
     first, second = _take(data.train, 2)
     assert {k: (v.shape, v.dtype) for k, v in first.items()} == {

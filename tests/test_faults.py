@@ -37,14 +37,33 @@ def run(shared, workdir, fault=None, *overrides, timeout=300):
     if fault:
         env["WUS_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "trainer", "--config", "configs/transformer_1024.py:tiny",
-         "--workdir", str(workdir), "--cpu_devices", "8", f"--config.data.data_dir={data_dir}",
-         f"--config.compilation_cache_dir={cache}", f"--config.num_train_steps={STEPS}",
-         "--config.steps_per_loop=2", "--config.log_every_steps=2",
-         "--config.eval_every_steps=0", "--config.checkpoint_every_steps=2",
-         "--config.data.num_eval_examples=16", "--config.max_decode_length=8", *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--config",
+            "configs/transformer_1024.py:tiny",
+            "--workdir",
+            str(workdir),
+            "--cpu_devices",
+            "8",
+            f"--config.data.data_dir={data_dir}",
+            f"--config.compilation_cache_dir={cache}",
+            f"--config.num_train_steps={STEPS}",
+            "--config.steps_per_loop=2",
+            "--config.log_every_steps=2",
+            "--config.eval_every_steps=0",
+            "--config.checkpoint_every_steps=2",
+            "--config.data.num_eval_examples=16",
+            "--config.max_decode_length=8",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def losses(workdir) -> dict[int, float]:
@@ -106,8 +125,10 @@ def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference
     result = run(shared, workdir, "save:int2")
     out = clean(result)
     assert result.returncode == 130, out[-3000:]
-    assert "stopped now (Ctrl-C twice): abandoned the save of step 6; newest complete " \
-        "checkpoint: step 4" in out  # fmt: skip
+    assert (
+        "stopped now (Ctrl-C twice): abandoned the save of step 6; newest complete "
+        "checkpoint: step 4" in out
+    )
     # Its temporary directory is removed once the process (and its writers) is gone.
     deadline = time.time() + 30
     while steps(workdir) != ["2", "4"] and time.time() < deadline:
@@ -177,9 +198,20 @@ def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
         env = dict(os.environ, PYTHONPATH=REPO)
         env.pop("XLA_FLAGS", None)
         return subprocess.run(
-            [sys.executable, "-m", "trainer.export", "--workdir", str(tmp_path / "export_copy"),
-             *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trainer.export",
+                "--workdir",
+                str(tmp_path / "export_copy"),
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     result = export("--out", str(tmp_path / "params"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -27,9 +27,13 @@ from trainer import train as train_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "gs://test-bucket/run"
 OVERRIDES = {
-    "steps_per_loop": 4, "log_every_steps": 4, "eval_every_steps": 0,
-    "checkpoint_every_steps": 4, "data.num_eval_examples": 16, "max_decode_length": 8,
-}  # fmt: skip
+    "steps_per_loop": 4,
+    "log_every_steps": 4,
+    "eval_every_steps": 0,
+    "checkpoint_every_steps": 4,
+    "data.num_eval_examples": 16,
+    "max_decode_length": 8,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +42,11 @@ def emulator():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.gcs_emulator", f"--port={port}", "--bucket=test-bucket"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ready = proc.stdout.readline()
     assert ready.startswith("ready"), ready + proc.stdout.read()
     # Keep reading what it prints (a line per missing object, tracebacks of clients that
@@ -67,9 +74,13 @@ def trainer(module, *args, emulator):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["STORAGE_EMULATOR_HOST"] = emulator
     result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -101,15 +112,21 @@ def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
         local_losses = {row["step"]: row["loss"] for row in map(json.loads, f)}
 
     flags = [
-        "--config", "configs/transformer_1024.py:tiny", "--workdir", RUN, "--cpu_devices", "8",
+        "--config",
+        "configs/transformer_1024.py:tiny",
+        "--workdir",
+        RUN,
+        "--cpu_devices",
+        "8",
         f"--config.data.data_dir={data_dir}",
         *[f"--config.{key}={value}" for key, value in OVERRIDES.items()],
-    ]  # fmt: skip
+    ]
     trainer("trainer", *flags, "--config.num_train_steps=8", emulator=emulator)
     out = trainer("trainer", *flags, "--config.num_train_steps=16", emulator=emulator)
     assert f"resumed from the checkpoint of step 8 in {RUN}/checkpoints" in out
-    trainer("trainer.export", "--workdir", RUN, "--out", "gs://test-bucket/params",
-            emulator=emulator)  # fmt: skip
+    trainer(
+        "trainer.export", "--workdir", RUN, "--out", "gs://test-bucket/params", emulator=emulator
+    )
 
     run = epath.Path(RUN)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

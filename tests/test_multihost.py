@@ -14,11 +14,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The input order is global (trainer/data/order.py): process p of n reads block p of
 # every global batch, so the global batches - hence the losses - do not depend on n.
 RUN = [
-    "--config", "configs/transformer_1024.py:tiny",
-    "--config.num_train_steps=24", "--config.steps_per_loop=12", "--config.log_every_steps=12",
-    "--config.eval_every_steps=0", "--config.checkpoint_every_steps=12",
-    "--config.data.num_eval_examples=16", "--config.max_decode_length=4",
-]  # fmt: skip
+    "--config",
+    "configs/transformer_1024.py:tiny",
+    "--config.num_train_steps=24",
+    "--config.steps_per_loop=12",
+    "--config.log_every_steps=12",
+    "--config.eval_every_steps=0",
+    "--config.checkpoint_every_steps=12",
+    "--config.data.num_eval_examples=16",
+    "--config.max_decode_length=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +50,34 @@ def _env():
 
 
 def launch(workdir, processes, data_dir, *extra, timeout=600):
-    cmd = [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
-           "--cpu_devices=8", "--", *RUN, f"--workdir={workdir}",
-           f"--config.data.data_dir={data_dir}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        f"--num_processes={processes}",
+        "--cpu_devices=8",
+        "--",
+        *RUN,
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        *extra,
+    ]
     return subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
 def single(workdir, data_dir, *extra, timeout=600):
-    cmd = [sys.executable, "-m", "trainer", *RUN, f"--workdir={workdir}", "--cpu_devices=8",
-           f"--config.data.data_dir={data_dir}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        *RUN,
+        f"--workdir={workdir}",
+        "--cpu_devices=8",
+        f"--config.data.data_dir={data_dir}",
+        *extra,
+    ]
     return subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -111,20 +133,33 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir
 
 
 def test_killed_process_stops_the_job(tmp_path):
-    cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--cpu_devices=8",
-           "--grace=10", "--", *RUN, f"--workdir={tmp_path}", "--config.num_train_steps=100000",
-           "--config.data.name=synthetic", "--config.log_every_steps=12",
-           "--heartbeat_timeout=10"]  # fmt: skip
-    launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--num_processes=2",
+        "--cpu_devices=8",
+        "--grace=10",
+        "--",
+        *RUN,
+        f"--workdir={tmp_path}",
+        "--config.num_train_steps=100000",
+        "--config.data.name=synthetic",
+        "--config.log_every_steps=12",
+        "--heartbeat_timeout=10",
+    ]
+    launcher = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         line = launcher.stdout.readline()
         if "step      12/" in line:
             break
     # Kill process 1 the hard way; find it by its unique command line.
-    pids = subprocess.run(["pgrep", "-f", f"workdir={tmp_path}.*process_id=1"],
-                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    pids = subprocess.run(
+        ["pgrep", "-f", f"workdir={tmp_path}.*process_id=1"], capture_output=True, text=True
+    ).stdout.split()
     assert pids, "process 1 not found"
     os.kill(int(pids[0]), signal.SIGKILL)
     start = time.time()

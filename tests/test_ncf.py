@@ -70,8 +70,15 @@ def test_runs_sharded_under_logical_rules():
     model = ncf.NCF(config)
     boxed = _init(config)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    rules = (("batch", "data"), ("users", "model"), ("items", "model"), ("embed", None),
-             ("mlp_in", None), ("mlp", "model"), ("logit", None))  # fmt: skip
+    rules = (
+        ("batch", "data"),
+        ("users", "model"),
+        ("items", "model"),
+        ("embed", None),
+        ("mlp_in", None),
+        ("mlp", "model"),
+        ("logit", None),
+    )
     users = jnp.arange(16, dtype=jnp.int32)
     items = (users * 7) % 30
     shardings = jax.tree.map(

@@ -31,11 +31,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny(data_dir, **overrides):
     return tiny_translation(
-        data_dir, **{"data.num_eval_examples": 32, "max_decode_length": 16,
-                     "optimizer.warmup_steps": 10, "num_train_steps": 40, "steps_per_loop": 10,
-                     "log_every_steps": 10, "eval_every_steps": 20,
-                     "checkpoint_every_steps": 20, **overrides},
-    )  # fmt: skip
+        data_dir,
+        **{
+            "data.num_eval_examples": 32,
+            "max_decode_length": 16,
+            "optimizer.warmup_steps": 10,
+            "num_train_steps": 40,
+            "steps_per_loop": 10,
+            "log_every_steps": 10,
+            "eval_every_steps": 20,
+            "checkpoint_every_steps": 20,
+            **overrides,
+        },
+    )
 
 
 WANDB = {"wandb.project": "wus-test"}
@@ -57,9 +65,14 @@ def cli(module, *args, stdin=None):
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     result = subprocess.run(
-        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
-        timeout=600, cwd=REPO, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
 
@@ -78,8 +91,16 @@ def test_run_config_round_trips():
 
 
 def test_evaluate_a_checkpoint_on_another_mesh(run):
-    result = cli("trainer.evaluate", "--workdir", run, "--step", "20", "--cpu_devices", "4",
-                 "--config.mesh.axes.model=2")  # fmt: skip
+    result = cli(
+        "trainer.evaluate",
+        "--workdir",
+        run,
+        "--step",
+        "20",
+        "--cpu_devices",
+        "4",
+        "--config.mesh.axes.model=2",
+    )
     logged = {row["step"]: row for row in read_jsonl(os.path.join(run, "metrics.jsonl"))}[20]
     (row,) = read_jsonl(os.path.join(run, "eval.jsonl"))
     assert row["step"] == 20 and row["overrides"] == {"mesh.axes.model": 2}
@@ -99,9 +120,22 @@ def test_evaluate_errors_are_one_line(run):
         (["--config.eval_bogus=1"], "unknown config key 'eval_bogus'"),
     ]:
         result = subprocess.run(
-            [sys.executable, "-m", "trainer.evaluate", "--workdir", run, "--cpu_devices", "8",
-             *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trainer.evaluate",
+                "--workdir",
+                run,
+                "--cpu_devices",
+                "8",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env=env,
+        )
         assert result.returncode != 0
         assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), (
             result.stderr[-2000:]
@@ -126,9 +160,19 @@ def test_translate_with_beam_search(run, data_dir):
     lines = [*sources[:24], "", long]
     # f32 compute (an override of the run's config), so that the reference below, on
     # another device layout, rounds alike and ranks near-equal hypotheses alike.
-    result = cli("trainer.translate", "--workdir", run, "--beam_size", "4", "--cpu_devices",
-                 "4", "--batch_size", "8", "--config.model.dtype=float32",
-                 stdin="".join(s + "\n" for s in lines))  # fmt: skip
+    result = cli(
+        "trainer.translate",
+        "--workdir",
+        run,
+        "--beam_size",
+        "4",
+        "--cpu_devices",
+        "4",
+        "--batch_size",
+        "8",
+        "--config.model.dtype=float32",
+        stdin="".join(s + "\n" for s in lines),
+    )
     out = result.stdout.split("\n")
     assert len(out) == len(lines) + 1 and out[-1] == ""
     assert out[24] == "" and "1 sources cut at 48 tokens" in result.stderr
@@ -152,13 +196,23 @@ def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, t
     export_lib.export(run, str(tmp_path / "params"), dtype="bfloat16")
     exported = ocp.StandardCheckpointer().restore(str(tmp_path / "params"))
     # Learning rate 0: the state after the steps holds the initial params.
-    config = tiny(data_dir, **{
-        "init_from": str(tmp_path / "params"), "init_from_skip": ("decoder_layers_1/mlp/wo/*",),
-        "mesh.num_devices": 4, "optimizer.update_sharding": "fsdp", "global_batch_size": 16,
-        "optimizer.learning_rate": 0.0, "num_train_steps": 10, "steps_per_loop": 5,
-        "log_every_steps": 5, "eval_every_steps": 0, "checkpoint_every_steps": 0,
-        "profile_steps": (5, 5),
-    })  # fmt: skip
+    config = tiny(
+        data_dir,
+        **{
+            "init_from": str(tmp_path / "params"),
+            "init_from_skip": ("decoder_layers_1/mlp/wo/*",),
+            "mesh.num_devices": 4,
+            "optimizer.update_sharding": "fsdp",
+            "global_batch_size": 16,
+            "optimizer.learning_rate": 0.0,
+            "num_train_steps": 10,
+            "steps_per_loop": 5,
+            "log_every_steps": 5,
+            "eval_every_steps": 0,
+            "checkpoint_every_steps": 0,
+            "profile_steps": (5, 5),
+        },
+    )
     workdir = tmp_path / "finetune"
     state = train_lib.train(config, str(workdir))
     out = capsys.readouterr().out
@@ -171,8 +225,11 @@ def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, t
     with jax.set_mesh(exp.mesh):
         got = jax.device_get(jax.jit(exp.plan.to_logical)(state.params))
         fresh = jax.device_get(jax.jit(exp.plan.to_logical)(exp.init().params))
-    for name in ("encoder_layers_0/attention/query", "decoder_layers_1/mlp/wi/kernel",
-                 "shared_embedding/embedding"):  # fmt: skip
+    for name in (
+        "encoder_layers_0/attention/query",
+        "decoder_layers_1/mlp/wi/kernel",
+        "shared_embedding/embedding",
+    ):
         np.testing.assert_array_equal(_get(got, name), _get(exported, name).astype(np.float32))
     skipped = "decoder_layers_1/mlp/wo/kernel"
     np.testing.assert_array_equal(_get(got, skipped), _get(fresh, skipped))
@@ -193,8 +250,9 @@ def _get(tree, name):
 
 
 def test_init_from_lists_every_mismatch(run, data_dir, tmp_path):
-    config = tiny(data_dir, **{"init_from": run, "model.num_decoder_layers": 3,
-                               "model.mlp_dim": 128})  # fmt: skip
+    config = tiny(
+        data_dir, **{"init_from": run, "model.num_decoder_layers": 3, "model.mlp_dim": 128}
+    )
     with pytest.raises(ConfigError) as error:
         train_lib.train(config, str(tmp_path))
     message = str(error.value)
@@ -230,12 +288,21 @@ class _Device:
 def test_device_memory_where_reported():
     assert metrics.device_memory([_Device(None), _Device(None)]) == {}  # CPU
     gib = 2**30
-    got = metrics.device_memory([
-        _Device({"bytes_in_use": 1 * gib, "peak_bytes_in_use": 3 * gib, "bytes_limit": 16 * gib}),
-        _Device({"bytes_in_use": 2 * gib, "peak_bytes_in_use": 2 * gib, "bytes_limit": 16 * gib}),
-    ])  # fmt: skip
-    assert got == {"memory/bytes_in_use": 2.0 * gib, "memory/peak_bytes_in_use": 3.0 * gib,
-                   "memory/bytes_limit": 16.0 * gib}  # fmt: skip
+    got = metrics.device_memory(
+        [
+            _Device(
+                {"bytes_in_use": 1 * gib, "peak_bytes_in_use": 3 * gib, "bytes_limit": 16 * gib}
+            ),
+            _Device(
+                {"bytes_in_use": 2 * gib, "peak_bytes_in_use": 2 * gib, "bytes_limit": 16 * gib}
+            ),
+        ]
+    )
+    assert got == {
+        "memory/bytes_in_use": 2.0 * gib,
+        "memory/peak_bytes_in_use": 3.0 * gib,
+        "memory/bytes_limit": 16.0 * gib,
+    }
 
 
 def test_plot_runs_and_bench(run, tmp_path):
@@ -250,11 +317,16 @@ def test_plot_runs_and_bench(run, tmp_path):
     assert [s for s, _ in series["loss"]] == [10, 20, 30, 40]
 
     bench = {
-        mode: {"step_time_s": t, "state_bytes_per_device": b, "temp_bytes": b / 2,
-               "collective_bytes": {"all-reduce f32": 2e6} if mode == "none" else
-               {"all-gather bf16": 5e5, "reduce-scatter f32": 1e6}}
+        mode: {
+            "step_time_s": t,
+            "state_bytes_per_device": b,
+            "temp_bytes": b / 2,
+            "collective_bytes": {"all-reduce f32": 2e6}
+            if mode == "none"
+            else {"all-gather bf16": 5e5, "reduce-scatter f32": 1e6},
+        }
         for mode, t, b in (("none", 0.02, 8e6), ("wus", 0.015, 1e6))
-    }  # fmt: skip
+    }
     plot.plot_bench(bench, str(tmp_path / "bench.png"))
     assert matplotlib.image.imread(str(tmp_path / "bench.png")).shape[1] > 800
 

@@ -27,8 +27,9 @@ def read_metrics(workdir):
 
 
 def test_tiny_run_learns_and_reports(data_dir, tmp_path):
-    config = tiny(data_dir, num_train_steps=120, steps_per_loop=20, log_every_steps=20,
-                  eval_every_steps=120)  # fmt: skip
+    config = tiny(
+        data_dir, num_train_steps=120, steps_per_loop=20, log_every_steps=20, eval_every_steps=120
+    )
     train_lib.train(config, str(tmp_path))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [20, 40, 60, 80, 100, 120]
@@ -47,8 +48,9 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path):
 def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
     states, losses = [], []
     for k in (1, 4):
-        config = tiny(data_dir, num_train_steps=8, steps_per_loop=k, log_every_steps=4,
-                      eval_every_steps=0)  # fmt: skip
+        config = tiny(
+            data_dir, num_train_steps=8, steps_per_loop=k, log_every_steps=4, eval_every_steps=0
+        )
         workdir = tmp_path / f"k{k}"
         states.append(train_lib.train(config, str(workdir)))
         losses.append([r["loss"] for r in read_metrics(workdir)])
@@ -65,8 +67,12 @@ def run_cli(*args, timeout=300):
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 @pytest.mark.parametrize(
@@ -79,15 +85,23 @@ def run_cli(*args, timeout=300):
         (["--config.mesh.axes.model=3"], "8 devices are not divisible by the product 3"),
         (["--config.data.name=wmt14_translate/de-en"], "tfds build wmt14_translate/de-en"),
         (["--config.log_every_steps=7"], "log_every_steps=7 must be a multiple of steps_per_loop"),
-        (["--config.optimizer.learning_rate=1e30", "--config.num_train_steps=40"],
-         "loss is nan at step"),
+        (
+            ["--config.optimizer.learning_rate=1e30", "--config.num_train_steps=40"],
+            "loss is nan at step",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
     result = run_cli(
-        "--config", "configs/transformer_1024.py:tiny", "--workdir", str(tmp_path),
-        "--cpu_devices", "8", f"--config.data.data_dir={data_dir}", *overrides,
-    )  # fmt: skip
+        "--config",
+        "configs/transformer_1024.py:tiny",
+        "--workdir",
+        str(tmp_path),
+        "--cpu_devices",
+        "8",
+        f"--config.data.data_dir={data_dir}",
+        *overrides,
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-2000:]

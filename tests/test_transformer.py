@@ -26,8 +26,16 @@ PARAM_NAMES = {"vocab", "embed", "mlp", "heads", "kv"}
 
 
 def tiny(**overrides) -> TransformerConfig:
-    kw = dict(vocab_size=VOCAB, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64,
-              num_encoder_layers=1, num_decoder_layers=1, max_len=32)  # fmt: skip
+    kw = dict(
+        vocab_size=VOCAB,
+        emb_dim=32,
+        num_heads=2,
+        qkv_dim=32,
+        mlp_dim=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        max_len=32,
+    )
     return TransformerConfig(**{**kw, **overrides})
 
 
@@ -131,8 +139,9 @@ def test_flops_formula():
     assert train_flops_per_example(cfg, 10, 8) == 3 * (176_640 + 223_232 + 32_768)
     # XLA's count for the forward pass agrees up to the elementwise work the formula ignores
     # (no compilation: HLO cost analysis of the lowered f32 program, abstract params).
-    cfg = tiny(vocab_size=512, emb_dim=128, num_heads=4, qkv_dim=128, mlp_dim=512,
-               dtype=jnp.float32)  # fmt: skip
+    cfg = tiny(
+        vocab_size=512, emb_dim=128, num_heads=4, qkv_dim=128, mlp_dim=512, dtype=jnp.float32
+    )
     model, x, y = Transformer(cfg), jnp.ones((1, 16), jnp.int32), jnp.ones((1, 12), jnp.int32)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), x, y)
     cost = jax.jit(model.apply).lower(variables, x, y).cost_analysis()
@@ -144,8 +153,15 @@ def test_runs_under_mesh_with_logical_rules(f32_model):
     # The trainer's rules: outside a mesh the logical annotations are no-ops, so only here
     # does a wrongly shaped or named annotation fail.
     model, variables, apply = f32_model
-    rules = (("batch", "data"), ("vocab", "model"), ("embed", None), ("mlp", "model"),
-             ("heads", "model"), ("kv", None), ("length", None))  # fmt: skip
+    rules = (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("embed", None),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("length", None),
+    )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     batch = packed_batch(70)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -163,15 +179,21 @@ def test_packing_isolates_segments(f32_model):
     logits_a = apply(variables, **a)
     seg1, seg2 = TG_SEG == 1, TG_SEG == 2
     # Change every token of segment 2 (source and target): segment 1 is untouched.
-    b = dict(a, inputs=jnp.where(IN_SEG == 2, tokens(20, INPUTS), a["inputs"]),
-             targets=jnp.where(TG_SEG == 2, tokens(21, TARGETS), a["targets"]))  # fmt: skip
+    b = dict(
+        a,
+        inputs=jnp.where(IN_SEG == 2, tokens(20, INPUTS), a["inputs"]),
+        targets=jnp.where(TG_SEG == 2, tokens(21, TARGETS), a["targets"]),
+    )
     logits_b = apply(variables, **b)
     np.testing.assert_allclose(logits_a[seg1], logits_b[seg1], atol=1e-6)
     assert not np.allclose(logits_a[seg2], logits_b[seg2], atol=1e-3)
     # Change every token of segment 1, including its last target, which a segment-blind
     # shift would feed to segment 2's first position: segment 2 is untouched.
-    c = dict(a, inputs=jnp.where(IN_SEG == 1, tokens(22, INPUTS), a["inputs"]),
-             targets=jnp.where(TG_SEG == 1, tokens(23, TARGETS), a["targets"]))  # fmt: skip
+    c = dict(
+        a,
+        inputs=jnp.where(IN_SEG == 1, tokens(22, INPUTS), a["inputs"]),
+        targets=jnp.where(TG_SEG == 1, tokens(23, TARGETS), a["targets"]),
+    )
     logits_c = apply(variables, **c)
     np.testing.assert_allclose(logits_a[seg2], logits_c[seg2], atol=1e-6)
     assert not np.allclose(logits_a[seg1], logits_c[seg1], atol=1e-3)
@@ -204,16 +226,23 @@ def test_cached_decoding_matches_full_forward(f32_model):
 
     def decode(cache, tokens, positions):
         return stepper.apply(
-            {**variables, **cache}, encoded, inputs, tokens, targets_positions=positions,
-            mutable=["cache"], method="decode",
-        )  # fmt: skip
+            {**variables, **cache},
+            encoded,
+            inputs,
+            tokens,
+            targets_positions=positions,
+            mutable=["cache"],
+            method="decode",
+        )
 
     # The creation pass sees the full length and fixes the cache shapes; it starts zeroed.
     cache = jax.eval_shape(lambda t: decode({}, t, None)[1], targets)
     cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
     assert cache["cache"]["decoder_layers_0"]["self_attention"]["cached_key"].shape == (
-        *TARGETS, 2, 16,
-    )  # fmt: skip
+        *TARGETS,
+        2,
+        16,
+    )
     step, decoder_inputs = jax.jit(decode), jnp.pad(targets, ((0, 0), (1, 0)))
     for i in range(TARGETS[1]):
         logits, cache = step(cache, decoder_inputs[:, i : i + 1], jnp.full((2, 1), i))

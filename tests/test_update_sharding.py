@@ -61,8 +61,9 @@ def test_layout_choice(shape, spec, shards, sizes, stored, how):
 
 
 def test_layout_stored_specs():
-    joined = shard_layout.choose_layout((2, 8192), P(None, "model"), 8,
-                                        axis_sizes={"data": 8, "model": 2})  # fmt: skip
+    joined = shard_layout.choose_layout(
+        (2, 8192), P(None, "model"), 8, axis_sizes={"data": 8, "model": 2}
+    )
     assert joined.stored_spec() == P(None, ("model", "data"))
     assert joined.stored_spec(gathered=True) == P(None, "model")
     merged = shard_layout.choose_layout((3, 3, 256, 256), P(), 8, axis_sizes=DATA8)
@@ -78,8 +79,9 @@ def test_minor_dim_is_merged_only_in_rows_of_128():
         lay.describe() == "merged dims 2x8192 in rows of 128 -> (128, 128) over data, pad 0 (0.0%)"
     )
     # The Transformer's attention output kernel at 2048 shards (1024 rows would pad 100%).
-    lay = shard_layout.choose_layout((16, 64, 1024), P("heads"), 2048,
-                                     axis_sizes={"data": 2048, "heads": 1})  # fmt: skip
+    lay = shard_layout.choose_layout(
+        (16, 64, 1024), P("heads"), 2048, axis_sizes={"data": 2048, "heads": 1}
+    )
     assert lay.stored_shape == (1, 8192, 128) and lay.stored_spec() == P(None, "data", None)
     # A minor dim that is no multiple of 128 is never merged.
     assert shard_layout.choose_layout((2, 100), P(), 8, axis_sizes=DATA8).stored_shape == (2, 104)
@@ -107,15 +109,20 @@ def _params():
 
 def _plan(mesh=None, **kw):
     mesh = mesh or mesh_lib.make_mesh({"data": -1}, devices=jax.devices()[:6])
-    return us.make_plan(_params(), jax.tree.map(lambda _: P(), _params()), mesh,
-                        min_shard_bytes=0, **kw)  # fmt: skip
+    return us.make_plan(
+        _params(), jax.tree.map(lambda _: P(), _params()), mesh, min_shard_bytes=0, **kw
+    )
 
 
 def test_round_trip_is_exact():
     plan = _plan()
     assert {n: lay.reformatted for n, lay in plan.layouts.items()} == {
-        "bias": False, "odd": True, "conv": True, "mat": False, "tiny": False,
-    }  # fmt: skip
+        "bias": False,
+        "odd": True,
+        "conv": True,
+        "mat": False,
+        "tiny": False,
+    }
     assert plan.layouts["odd"].pad == 1 and plan.layouts["conv"].stored_shape == (1, 1, 144, 16)
     with jax.set_mesh(plan.mesh):
         back = jax.jit(lambda p: plan.to_logical(plan.to_stored(p)))(_params())
@@ -131,8 +138,10 @@ def _run_optax(build, plan, steps=4):
       build: ``wrap -> GradientTransformation``; ``wrap(inner)`` is where the
         composition puts weight-update sharding (the identity for the plain one).
     """
-    grads = [jax.tree.map(lambda p, k=k: jnp.sin(p * (1 + k)) + 0.01 * p, _params())
-             for k in range(steps)]  # fmt: skip
+    grads = [
+        jax.tree.map(lambda p, k=k: jnp.sin(p * (1 + k)) + 0.01 * p, _params())
+        for k in range(steps)
+    ]
     plain_tx = build(lambda inner: inner)
     sharded_tx = build(lambda inner: ut.weight_update_sharding(inner, plan))
 
@@ -164,18 +173,16 @@ def _ndim_mask(tree):
 COMPOSITIONS = {
     "clip then wus(adam)": lambda w: optax.chain(
         optax.clip_by_global_norm(0.1), w(optax.adam(1e-2))
-    ),  # fmt: skip
+    ),
     "wus(inject_hyperparams(adamw, callable mask))": lambda w: w(
-        optax.inject_hyperparams(optax.adamw)(
-            learning_rate=1e-2, weight_decay=0.1, mask=_ndim_mask
-        )  # fmt: skip
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1, mask=_ndim_mask)
     ),
     "MultiSteps(wus(lamb))": lambda w: optax.MultiSteps(w(optax.lamb(1e-2)), every_k_schedule=2),
     "wus(lars)": lambda w: w(
         optax.lars(
             1e-2, weight_decay=0.1, weight_decay_mask=_ndim_mask, trust_ratio_mask=_ndim_mask
         )
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -215,8 +222,9 @@ def test_state_dtype_and_bf16_params():
     mesh = mesh_lib.make_mesh({"data": -1})
     plan = us.make_plan(params, jax.tree.map(lambda _: P(), params), mesh, min_shard_bytes=0)
     dtypes = jax.tree.map(lambda p: p.dtype, params)
-    tx = ut.weight_update_sharding(optax.adam(1e-2), plan, state_dtype=jnp.float32,
-                                   param_dtypes=dtypes)  # fmt: skip
+    tx = ut.weight_update_sharding(
+        optax.adam(1e-2), plan, state_dtype=jnp.float32, param_dtypes=dtypes
+    )
 
     def run(params):
         stored = plan.to_stored(params)

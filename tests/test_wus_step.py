@@ -120,8 +120,9 @@ def assert_close(got, want, atol, what):
 @functools.cache
 def run_case(mesh, mode, opt, accumulate=1):
     """``run`` of a named case, shared by the tests below."""
-    config = tiny(mode, "adamw" if opt == "adamw_callable" else opt, mesh=mesh,
-                  accumulate=accumulate)  # fmt: skip
+    config = tiny(
+        mode, "adamw" if opt == "adamw_callable" else opt, mesh=mesh, accumulate=accumulate
+    )
     custom = callable_mask_adamw(config) if opt == "adamw_callable" else None
     return (config, custom, *run(config, custom))
 
@@ -206,8 +207,10 @@ def test_layernorm_reaches_model_exactly_and_kernels_travel_in_bf16():
     config = transformer_1024.get_config("tiny,synthetic")
     config.optimizer.min_shard_bytes = 0
     exp = experiment.build(config)
-    flags = {jax.tree_util.keystr(p, simple=True, separator="/"): f
-             for p, f in jax.tree_util.tree_leaves_with_path(exp.plan.low_precision)}  # fmt: skip
+    flags = {
+        jax.tree_util.keystr(p, simple=True, separator="/"): f
+        for p, f in jax.tree_util.tree_leaves_with_path(exp.plan.low_precision)
+    }
     assert all(not f for name, f in flags.items() if name.endswith("scale")), flags
     assert all(f for name, f in flags.items() if name.endswith("kernel")), flags
     assert flags["shared_embedding/embedding"]  # looked up in f32, rounded after the lookup
@@ -261,13 +264,22 @@ def test_repeated_token_embedding_gradient_accumulates_in_f32():
     rows, replicas = 3000, 8
     ids = np.full((replicas * rows,), 7, np.int32)
     task = tasks.Task(
-        model=emb, init_batch={"ids": ids[:1]}, train_data=iter(()), eval_batches=lambda: (),
-        loss_fn=loss_fn, weight_fn=lambda b: jnp.ones(()),
+        model=emb,
+        init_batch={"ids": ids[:1]},
+        train_data=iter(()),
+        eval_batches=lambda: (),
+        loss_fn=loss_fn,
+        weight_fn=lambda b: jnp.ones(()),
         init_fn=lambda r, b: emb.init(r, b["ids"]),
-    )  # fmt: skip
+    )
     params = {"embedding": jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)}
-    plan = us.make_plan(params, {"embedding": jax.sharding.PartitionSpec()}, exp.mesh,
-                        min_shard_bytes=0, low_precision={"embedding": True})  # fmt: skip
+    plan = us.make_plan(
+        params,
+        {"embedding": jax.sharding.PartitionSpec()},
+        exp.mesh,
+        min_shard_bytes=0,
+        low_precision={"embedding": True},
+    )
     capture = optax.GradientTransformation(
         lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
         lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}),
@@ -275,8 +287,9 @@ def test_repeated_token_embedding_gradient_accumulates_in_f32():
     tx = ut.weight_update_sharding(capture, plan)
     with jax.set_mesh(exp.mesh):
         stored = jax.jit(plan.to_stored, out_shardings=plan.stored_shardings())(params)
-        state = step_lib.TrainState(jnp.zeros((), jnp.int32), stored, tx.init(stored), {},
-                                    jax.random.PRNGKey(0))  # fmt: skip
+        state = step_lib.TrainState(
+            jnp.zeros((), jnp.int32), stored, tx.init(stored), {}, jax.random.PRNGKey(0)
+        )
         shardings = jax.tree.map(lambda x: x.sharding, state)
         fns = step_lib.make_step_fns(task, plan, tx, lambda s: 0.0, exp.rules, shardings)
         batch = exp.to_global({"ids": ids})
@@ -289,9 +302,12 @@ def test_repeated_token_embedding_gradient_accumulates_in_f32():
 
 
 def test_six_shards_pad_ten_rows_to_twelve():
-    lay = us.make_plan({"w": jnp.zeros((10, 4))}, {"w": jax.sharding.PartitionSpec()},
-                       mesh_lib.make_mesh({"data": -1}, devices=jax.devices()[:6]),
-                       min_shard_bytes=0).layouts["w"]  # fmt: skip
+    lay = us.make_plan(
+        {"w": jnp.zeros((10, 4))},
+        {"w": jax.sharding.PartitionSpec()},
+        mesh_lib.make_mesh({"data": -1}, devices=jax.devices()[:6]),
+        min_shard_bytes=0,
+    ).layouts["w"]
     assert lay.stored_shape == (12, 4) and lay.pad == 2
     assert math.isclose(lay.padding, 0.2)
 

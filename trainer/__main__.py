@@ -26,9 +26,11 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "Expose this many CPU devices (CPU-only hosts; for trying sharding)."
 )
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, for multi-process runs that no "
-    "scheduler describes (TPU pods and SLURM are detected automatically)."
-)  # fmt: skip
+    "coordinator_address",
+    None,
+    "host:port of process 0, for multi-process runs that no "
+    "scheduler describes (TPU pods and SLURM are detected automatically).",
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _HEARTBEAT = flags.DEFINE_integer(

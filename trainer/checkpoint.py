@@ -416,11 +416,19 @@ class Checkpointer:
                     path.rmtree(missing_ok=True) if path.is_dir() else path.unlink(missing_ok=True)
             return
         subprocess.Popen(
-            [sys.executable, "-S", "-c", _REMOVE_AFTER_EXIT, str(os.getpid()),
-             os.path.join(os.fspath(self.directory), pattern)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-S",
+                "-c",
+                _REMOVE_AFTER_EXIT,
+                str(os.getpid()),
+                os.path.join(os.fspath(self.directory), pattern),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,  # a second Ctrl-C to the terminal's group spares it
-        )  # fmt: skip
+        )
 
     def abandon(self) -> int | None:
         """Gives up the save in flight without waiting (a peer died, or Ctrl-C

@@ -59,8 +59,12 @@ def point(name: str) -> None:
             return
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {VARIABLE}={spec})")
-    signals = {"kill": [signal.SIGKILL], "term": [signal.SIGTERM], "int": [signal.SIGINT],
-               "int2": [signal.SIGINT, signal.SIGINT]}[action]  # fmt: skip
+    signals = {
+        "kill": [signal.SIGKILL],
+        "term": [signal.SIGTERM],
+        "int": [signal.SIGINT],
+        "int2": [signal.SIGINT, signal.SIGINT],
+    }[action]
     from trainer import signals as signals_lib  # noqa: PLC0415
 
     received = signals_lib.install()  # the process's handling (already installed)

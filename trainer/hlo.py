@@ -25,9 +25,20 @@ import jax
 import numpy as np
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-    "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _ASYNC_KINDS = {f"{k}-start": k for k in _KINDS}
 _EMITTER = re.compile(r'"emitter":"(\w+)"')

@@ -90,8 +90,12 @@ class MetricWriter:
         if not self.enabled:
             return
         parts = [f"step {step:>7d}/{total}"]
-        for key, fmt in (("loss", ".4f"), ("grad_norm", ".3g"), ("steps_per_sec", ".2f"),
-                         ("mfu", ".2%")):  # fmt: skip
+        for key, fmt in (
+            ("loss", ".4f"),
+            ("grad_norm", ".3g"),
+            ("steps_per_sec", ".2f"),
+            ("mfu", ".2%"),
+        ):
             if key in scalars:
                 parts.append(f"{key.replace('_per_sec', '/s')} {scalars[key]:{fmt}}")
         if "memory/peak_bytes_in_use" in scalars:

@@ -77,20 +77,32 @@ def make_optimizer(
         tx = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)
     elif name == "adamw":
         tx = optax.adamw(
-            lr, b1=config.b1, b2=config.b2, eps=config.eps,
-            weight_decay=config.weight_decay, mask=mask,
-        )  # fmt: skip
+            lr,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=mask,
+        )
     elif name == "lamb":
         tx = optax.lamb(
-            lr, b1=config.b1, b2=config.b2, eps=config.eps,
-            weight_decay=config.weight_decay, mask=mask,
-        )  # fmt: skip
+            lr,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=mask,
+        )
     elif name == "lars":
         tx = optax.lars(
-            lr, weight_decay=config.weight_decay, weight_decay_mask=mask,
-            trust_coefficient=config.trust_coefficient, trust_ratio_mask=mask,
-            momentum=config.momentum, nesterov=config.nesterov,
-        )  # fmt: skip
+            lr,
+            weight_decay=config.weight_decay,
+            weight_decay_mask=mask,
+            trust_coefficient=config.trust_coefficient,
+            trust_ratio_mask=mask,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+        )
     else:
         raise ConfigError(f"optimizer.name must be one of {OPTIMIZERS}, got '{name}'")
     if config.clip_norm > 0:

@@ -90,8 +90,15 @@ def plot_runs(workdirs: list[str], out: str, names: list[str] | None = None) -> 
                 ax.plot(steps, values, color=color, marker=marker, markersize=3, label=name)
             if metric in later:
                 steps, values = zip(*later[metric], strict=True)
-                ax.plot(steps, values, linestyle="none", marker="o", markerfacecolor="none",
-                        color=color, label=f"{name} (trainer.evaluate)")  # fmt: skip
+                ax.plot(
+                    steps,
+                    values,
+                    linestyle="none",
+                    marker="o",
+                    markerfacecolor="none",
+                    color=color,
+                    label=f"{name} (trainer.evaluate)",
+                )
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -47,7 +47,7 @@ _ELEMENT_MOVES: dict[str, Callable[[int], bool]] = {
             "reshard",
             "reduce_precision",
         )
-    },  # fmt: skip
+    },
     "concatenate": lambda i: True,
     "pad": lambda i: i == 0,
     "dynamic_update_slice": lambda i: i in (0, 1),

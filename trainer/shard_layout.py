@@ -122,8 +122,9 @@ class LeafLayout:
             data = () if gathered else (mesh_lib.DATA_AXIS,)
             # Merged dims are free of model axes; a single dim may carry some.
             entries[self.start : self.stop] = [None] * (self.stop - self.start)
-            entries[self.dim] = _entry(self.spec[self.start] + data if self.stop - self.start == 1
-                                       else data)  # fmt: skip
+            entries[self.dim] = _entry(
+                self.spec[self.start] + data if self.stop - self.start == 1 else data
+            )
         return PartitionSpec(*entries)
 
     def logical_spec(self) -> PartitionSpec:

@@ -114,8 +114,9 @@ def make_step_fns(
         return jnp.swapaxes(x, 0, 1)
 
     def f32(tree):
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
-                            tree)  # fmt: skip
+        return jax.tree.map(
+            lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree
+        )
 
     def add(acc, grads):
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)

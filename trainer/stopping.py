@@ -89,8 +89,9 @@ class Run:
           WorkdirLockLostError: another run took the work directory over.
         """
         failed = self._checkpointer.failure() if self._checkpointer else None
-        flags = np.array([self.signals.first is not None, self._lock.lost is not None,
-                          failed is not None])  # fmt: skip
+        flags = np.array(
+            [self.signals.first is not None, self._lock.lost is not None, failed is not None]
+        )
         if jax.process_count() > 1:
             flags = np.any(multihost_utils.process_allgather(flags), axis=0)
         if flags[2]:

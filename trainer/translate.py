@@ -89,8 +89,10 @@ def translate(
     from trainer.tasks import translation as task_lib  # noqa: PLC0415
 
     if config.model.name != "transformer":
-        raise ConfigError(f"trainer.translate needs a translation run; this one trains "
-                          f"model.name='{config.model.name}'")  # fmt: skip
+        raise ConfigError(
+            f"trainer.translate needs a translation run; this one trains "
+            f"model.name='{config.model.name}'"
+        )
     if jax.process_count() > 1:
         raise ConfigError("trainer.translate runs as one process (it reads stdin)")
     if batch_size < 1 or max_length < 1:
@@ -101,8 +103,9 @@ def translate(
     step = checkpointer.resolve_step(step)
     params = checkpointer.restore_state_parts(step, {"params": exp.abstract_logical_state().params})
     checkpointer.close()
-    decoder = task_lib.make_decoder(exp.task.model, beam_size=beam_size, max_decode_len=max_length,
-                                    alpha=config.length_penalty)  # fmt: skip
+    decoder = task_lib.make_decoder(
+        exp.task.model, beam_size=beam_size, max_decode_len=max_length, alpha=config.length_penalty
+    )
 
     cap = config.data.max_length
     encoded = [np.asarray(vocab.encode(s), np.int32) if s.strip() else None for s in sentences]
@@ -152,9 +155,15 @@ def main(argv: list[str]) -> None:
     max_length = config.max_decode_length if _MAX_LENGTH.value is None else _MAX_LENGTH.value
     sentences = sys.stdin.read().splitlines()
     with cli.clear_errors():
-        out, report = translate(config, _WORKDIR.value, sentences, step=_STEP.value,
-                                beam_size=beam, max_length=max_length,
-                                batch_size=_BATCH_SIZE.value)  # fmt: skip
+        out, report = translate(
+            config,
+            _WORKDIR.value,
+            sentences,
+            step=_STEP.value,
+            beam_size=beam,
+            max_length=max_length,
+            batch_size=_BATCH_SIZE.value,
+        )
     sys.stdout.write("".join(line + "\n" for line in out))
     sys.stdout.flush()
     rate = report.sentences / max(report.decode_s, 1e-9)
@@ -162,10 +171,13 @@ def main(argv: list[str]) -> None:
         f"translated {report.sentences} sentences with checkpoint {report.step} of "
         f"{_WORKDIR.value}, beam {beam}: {report.decode_s:.2f}s ({rate:.1f} sentences/s) after "
         f"{report.compile_s:.1f}s of compiling"
-        + (f"; {report.truncated} sources cut at {config.data.max_length} tokens"
-           if report.truncated else ""),
+        + (
+            f"; {report.truncated} sources cut at {config.data.max_length} tokens"
+            if report.truncated
+            else ""
+        ),
         file=sys.stderr,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

@@ -283,8 +283,13 @@ class UpdateShardingPlan:
                 if lay.sharded and round_it
                 else ""
             )
-            rows.append((jax.tree_util.keystr(path, simple=True, separator="/"), lay.shape,
-                         lay.describe() + gather))  # fmt: skip
+            rows.append(
+                (
+                    jax.tree_util.keystr(path, simple=True, separator="/"),
+                    lay.shape,
+                    lay.describe() + gather,
+                )
+            )
         return rows
 
 

@@ -259,9 +259,13 @@ class _GcsObject:
         try:
             meta = self._fs.call("GET", "b/{}/o/{}", self._bucket, self._key, json_out=True)
             _, data = self._fs.call(
-                "GET", "b/{}/o/{}", self._bucket, self._key, alt="media",
+                "GET",
+                "b/{}/o/{}",
+                self._bucket,
+                self._key,
+                alt="media",
                 generation=meta["generation"],
-            )  # fmt: skip
+            )
         except FileNotFoundError:
             return None
         updated = datetime.datetime.fromisoformat(meta["updated"].replace("Z", "+00:00"))
@@ -271,10 +275,16 @@ class _GcsObject:
         """Writes if the object's generation is ``if_generation`` ("0": absent);
         returns the new generation. FileExistsError if the precondition fails."""
         out = self._fs.call(
-            "POST", f"{self._fs._location}/upload/storage/v1/b/{{}}/o", self._bucket,
-            uploadType="media", name=self._key, ifGenerationMatch=if_generation, data=body,
-            headers={"Content-Type": "application/octet-stream"}, json_out=True,
-        )  # fmt: skip
+            "POST",
+            f"{self._fs._location}/upload/storage/v1/b/{{}}/o",
+            self._bucket,
+            uploadType="media",
+            name=self._key,
+            ifGenerationMatch=if_generation,
+            data=body,
+            headers={"Content-Type": "application/octet-stream"},
+            json_out=True,
+        )
         return str(out["generation"])
 
     def delete(self, generation: str) -> None:

@@ -150,8 +150,10 @@ def main(argv: list[str]) -> None:
     except ValueError:
         cli.fail(f"--workers: expected worker counts like 0,1,2, got {_WORKERS.value}")
     if min(workers, default=0) < 0 or _SECONDS.value <= 0 or _PROCESSES.value < 1:
-        cli.fail(f"--workers {workers} must be >= 0, --seconds {_SECONDS.value} > 0 and "
-                 f"--processes {_PROCESSES.value} >= 1")  # fmt: skip
+        cli.fail(
+            f"--workers {workers} must be >= 0, --seconds {_SECONDS.value} > 0 and "
+            f"--processes {_PROCESSES.value} >= 1"
+        )
     with cli.clear_errors():
         _bench(config, workers)
 

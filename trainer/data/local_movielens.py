@@ -96,10 +96,14 @@ def _bytes_entry(key: str, value: bytes) -> bytes:
 
 def serialize(columns: dict[str, np.ndarray], rows: np.ndarray) -> list[bytes]:
     """Serialized `tf.train.Example`s of `rows`, written field by field (~1 us a record)."""
-    users = {int(u): _bytes_entry("user_id", str(int(u)).encode())
-             for u in np.unique(columns["user"][rows])}  # fmt: skip
-    movies = {int(m): _bytes_entry("movie_id", str(int(m)).encode())
-              for m in np.unique(columns["movie"][rows])}  # fmt: skip
+    users = {
+        int(u): _bytes_entry("user_id", str(int(u)).encode())
+        for u in np.unique(columns["user"][rows])
+    }
+    movies = {
+        int(m): _bytes_entry("movie_id", str(int(m)).encode())
+        for m in np.unique(columns["movie"][rows])
+    }
     stars = [
         _feature_entry("user_rating", _length_prefixed(0x12, _length_prefixed(0x0A, s.tobytes())))
         for s in _STARS.astype(np.float32)
@@ -116,11 +120,20 @@ def serialize(columns: dict[str, np.ndarray], rows: np.ndarray) -> list[bytes]:
     heads = [bytes((0x0A, n)) for n in range(128)]  # Example.features tag and length.
     out = []
     for row, (user, movie, star) in enumerate(
-        zip(columns["user"][rows].tolist(), columns["movie"][rows].tolist(),
-            columns["star"][rows].tolist(), strict=True)
-    ):  # fmt: skip
-        parts = (users[user], movies[movie], time_prefix, varints[5 * row : 5 * row + 5],
-                 stars[star])  # fmt: skip
+        zip(
+            columns["user"][rows].tolist(),
+            columns["movie"][rows].tolist(),
+            columns["star"][rows].tolist(),
+            strict=True,
+        )
+    ):
+        parts = (
+            users[user],
+            movies[movie],
+            time_prefix,
+            varints[5 * row : 5 * row + 5],
+            stars[star],
+        )
         features = b"".join(parts)
         out.append(heads[len(features)] + features)
     return out

@@ -38,37 +38,41 @@ MIN_WORDS = 3
 MAX_WORDS = 12
 
 _DETERMINERS = ("the", "a", "this", "that", "every", "some", "my", "your", "our", "their")
-_ADJECTIVES = (
-    "big", "small", "old", "young", "red", "blue", "green", "black", "white", "happy",
-    "sad", "quick", "slow", "tall", "short", "quiet", "loud", "bright", "dark", "warm",
-    "cold", "new", "good", "bad", "clever", "lazy", "brave", "shy", "strong", "weak",
-    "rich", "poor", "clean", "dirty", "friendly", "angry", "hungry", "tired", "busy", "calm",
-    "gentle", "proud", "kind", "strange", "famous",
-)  # fmt: skip
-_NOUNS = (
-    "dog", "cat", "bird", "horse", "fish", "mouse", "cow", "sheep", "fox", "wolf",
-    "bear", "lion", "rabbit", "duck", "goat", "frog", "man", "woman", "child", "teacher",
-    "doctor", "farmer", "king", "queen", "student", "baker", "singer", "soldier", "sailor",
-    "painter", "friend", "neighbor", "house", "garden", "river", "tree", "forest", "city",
-    "village", "road", "bridge", "mountain", "lake", "field", "school", "market", "castle",
-    "church", "table", "chair", "book", "letter", "window", "door", "bottle", "cup", "apple",
-    "bread", "cake", "flower", "stone", "ship", "car", "train", "boat", "hat", "coat", "shoe",
-    "lamp", "clock", "key", "box", "ball", "song", "picture", "map", "ring", "bell", "candle",
-    "basket",
-)  # fmt: skip
-_VERBS = (
-    "sees", "likes", "finds", "takes", "gives", "holds", "wants", "needs", "helps", "follows",
-    "watches", "carries", "builds", "paints", "opens", "closes", "breaks", "cleans", "buys",
-    "sells", "eats", "drinks", "reads", "writes", "loves", "hates", "visits", "calls", "meets",
-    "pushes", "pulls", "throws", "catches", "hides", "brings", "moves", "draws", "knows",
-    "forgets", "remembers", "answers", "teaches", "greets", "chases", "feeds",
-)  # fmt: skip
-_ADVERBS = (
-    "today", "yesterday", "often", "quickly", "slowly", "quietly", "again", "always", "never",
-    "soon", "here", "there",
-)  # fmt: skip
-_PREPOSITIONS = ("in", "on", "near", "under", "behind", "with", "without", "from", "beside",
-                 "above")  # fmt: skip
+_ADJECTIVES = tuple(
+    """
+    big small old young red blue green black white happy sad quick slow tall short quiet
+    loud bright dark warm cold new good bad clever lazy brave shy strong weak rich poor
+    clean dirty friendly angry hungry tired busy calm gentle proud kind strange famous
+    """.split()
+)
+_NOUNS = tuple(
+    """
+    dog cat bird horse fish mouse cow sheep fox wolf bear lion rabbit duck goat frog man
+    woman child teacher doctor farmer king queen student baker singer soldier sailor painter
+    friend neighbor house garden river tree forest city village road bridge mountain lake
+    field school market castle church table chair book letter window door bottle cup apple
+    bread cake flower stone ship car train boat hat coat shoe lamp clock key box ball song
+    picture map ring bell candle basket
+    """.split()
+)
+_VERBS = tuple(
+    """
+    sees likes finds takes gives holds wants needs helps follows watches carries builds
+    paints opens closes breaks cleans buys sells eats drinks reads writes loves hates visits
+    calls meets pushes pulls throws catches hides brings moves draws knows forgets remembers
+    answers teaches greets chases feeds
+    """.split()
+)
+_ADVERBS = tuple(
+    """
+    today yesterday often quickly slowly quietly again always never soon here there
+    """.split()
+)
+_PREPOSITIONS = tuple(
+    """
+    in on near under behind with without from beside above
+    """.split()
+)
 _CONJUNCTION = "and"
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "w", "z", "sch")

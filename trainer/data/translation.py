@@ -42,8 +42,14 @@ _logger = logging.getLogger(__name__)
 Batch = dict[str, np.ndarray]
 EvalFunctions = tuple[Callable[[], Iterator[Batch]], Callable[[], tuple[list[str], list[str]]]]
 
-FEATURE_KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation",
-                "inputs_position", "targets_position")  # fmt: skip
+FEATURE_KEYS = (
+    "inputs",
+    "targets",
+    "inputs_segmentation",
+    "targets_segmentation",
+    "inputs_position",
+    "targets_position",
+)
 SYNTHETIC = "synthetic"
 _LANGUAGES = ("de", "en")
 # 500k pairs = 1M sentences: a good SentencePiece vocabulary for WMT, trained
@@ -86,9 +92,16 @@ class TranslationOptions:
 
 
 def _read_options(config: Any, name: str) -> TranslationOptions:
-    keys = {"source_lang": str, "target_lang": str, "vocab_path": options.optional_str,
-            "vocab_size": int, "max_length": int, "pack": bool, "eval_split": str,
-            "num_eval_examples": int}  # fmt: skip
+    keys = {
+        "source_lang": str,
+        "target_lang": str,
+        "vocab_path": options.optional_str,
+        "vocab_size": int,
+        "max_length": int,
+        "pack": bool,
+        "eval_split": str,
+        "num_eval_examples": int,
+    }
     tr = TranslationOptions(**options.read(config, keys))
     languages = {tr.source_lang, tr.target_lang}
     if name != SYNTHETIC and (len(languages) != 2 or not languages <= set(_LANGUAGES)):

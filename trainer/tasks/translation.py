@@ -71,7 +71,7 @@ def make_decoder(
             max_decode_len=max_decode_len,
             alpha=alpha,
             eos_id=EOS_ID,
-        )  # fmt: skip
+        )
     )
 
 
