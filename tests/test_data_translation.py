@@ -9,6 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import data_section, open_pipeline
 
 # Registers the WMT builder class, which `tfds.testing.mock_data` needs to fake
 # the dataset from code (real runs read prepared files without it).
@@ -16,7 +17,7 @@ from tensorflow_datasets.translate import wmt14  # noqa: F401
 
 from trainer.data import feed, packing, tiny_translation
 from trainer.data.source import DatasetNotPreparedError
-from trainer.data.tokenizer import EOS_ID, SyntheticVocab, load_or_train_sentencepiece
+from trainer.data.tokenizer import EOS_ID, SyntheticVocab
 from trainer.data.translation import FEATURE_KEYS, make_translation_data
 from trainer.errors import UserError
 
@@ -24,33 +25,25 @@ WMT = "wmt14_translate/de-en"
 
 
 def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
-    config = {
-        "name": "tiny_translation",
-        "data_dir": str(data_dir),
-        "train_split": "train",
-        "worker_count": 0,
-        "worker_buffer_size": 2,
-        "source_lang": "en",
-        "target_lang": "de",
-        "vocab_path": None,
-        "vocab_size": 384,
-        "max_length": 64,
-        "pack": False,
-        "eval_split": "validation",
-        "num_eval_examples": -1,
-    }
-    config.update(overrides)
-    return ml_collections.ConfigDict(config)
-
-
-def _make(config, global_batch_size=8, seed=0, process_index=0, process_count=1):
-    return make_translation_data(
-        config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
+    return data_section(
+        "tiny_translation",
+        data_dir,
+        **{
+            "source_lang": "en",
+            "target_lang": "de",
+            "vocab_path": None,
+            "vocab_size": 384,
+            "max_length": 64,
+            "pack": False,
+            "eval_split": "validation",
+            "num_eval_examples": -1,
+            **overrides,
+        },
     )
+
+
+def _make(config, global_batch_size=8, **where):
+    return open_pipeline(make_translation_data, config, global_batch_size, **where)
 
 
 def _take(iterator, n):
@@ -388,30 +381,6 @@ def test_vocab_encode_decode(tiny_dir):
     synthetic = SyntheticVocab(10)
     assert synthetic.encode("4 5 12") == [4, 5, 2, EOS_ID]
     assert synthetic.decode([4, 5, 0, 1, 7]) == "4 5"
-
-
-def test_vocab_file_is_first_writer_wins(tmp_path):
-    texts = [f"sentence number {i} with words like alpha beta gamma delta" for i in range(300)]
-    path = str(tmp_path / "vocab.model")
-
-    def texts_while_another_process_publishes():
-        # Simulates a concurrent process that publishes its model while this
-        # one is still training: this process must then load that model.
-        load_or_train_sentencepiece(path, 40, lambda: texts, description="other")
-        return texts
-
-    vocab = load_or_train_sentencepiece(
-        path, 50, texts_while_another_process_publishes, description="test"
-    )
-    assert vocab.vocab_size == 40
-    assert os.listdir(tmp_path) == ["vocab.model"]  # No temp files left.
-
-    def must_not_train():
-        raise AssertionError("the existing vocabulary should be loaded")
-
-    assert load_or_train_sentencepiece(path, 50, must_not_train, description="x").vocab_size == 40
-    with pytest.raises(ValueError, match="vocab_size=30"):
-        load_or_train_sentencepiece(path, 30, must_not_train, description="x")
 
 
 def test_bad_configs_fail_early(tiny_dir):

@@ -71,7 +71,9 @@ def token_lengths(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{np.random.default_rng().integers(1 << 62)}.tmp"
     tmp.write_bytes(buffer.getvalue())
-    tmp.rename(path)  # Atomic; concurrent writers hold identical bytes.
+    # Atomic, and overwriting: processes that computed the lengths at the same time
+    # hold identical bytes (epath's `rename` would refuse an existing file).
+    tmp.replace(path)
     return lengths
 
 
