@@ -15,9 +15,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402  (the flags above must be set before anything can import JAX)
+import ml_collections  # noqa: E402  (the flags above must be set before anything can import JAX)
+import pytest  # noqa: E402
 
 from configs import transformer_1024  # noqa: E402
+from trainer.data.options import DataOptions  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +73,30 @@ def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulat
         config.mesh.num_devices = 6
         config.global_batch_size = 12
     return config
+
+
+def data_section(name: str, data_dir, /, **keys) -> ml_collections.ConfigDict:
+    """A pipeline's ``data`` config section: the keys every pipeline shares (reading
+    in this process, no grain workers) for dataset ``name``, then its own ``keys``."""
+    config = {
+        "name": name,
+        "data_dir": str(data_dir),
+        "train_split": "train",
+        "worker_count": 0,
+        "worker_buffer_size": 2,
+    }
+    config.update(keys)
+    return ml_collections.ConfigDict(config)
+
+
+def open_pipeline(make, config, global_batch_size, seed=0, process_index=0, process_count=1):
+    """``make(config, opts)`` for process ``process_index`` of ``process_count``, the way
+    ``trainer.data.pipelines.build`` opens a run's data."""
+    opts = DataOptions.from_config(
+        config,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    return make(config, opts)

@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import data_section, open_pipeline
 from PIL import Image
 
 # Registers the ImageNet builder class, which `tfds.testing.mock_data` needs to fake the
@@ -28,28 +29,20 @@ def data_dir(tmp_path_factory):
 
 
 def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
-    config = {
-        "name": "tiny_images",
-        "data_dir": str(data_dir),
-        "train_split": "train",
-        "worker_count": 0,
-        "worker_buffer_size": 2,
-        "image_size": 32,
-        "eval_split": "validation",
-        "num_eval_examples": -1,
-    }
-    config.update(overrides)
-    return ml_collections.ConfigDict(config)
-
-
-def _make(config, global_batch_size=50, seed=0, process_index=0, process_count=1):
-    return make_image_data(
-        config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
+    return data_section(
+        "tiny_images",
+        data_dir,
+        **{
+            "image_size": 32,
+            "eval_split": "validation",
+            "num_eval_examples": -1,
+            **overrides,
+        },
     )
+
+
+def _make(config, global_batch_size=50, **where):
+    return open_pipeline(make_image_data, config, global_batch_size, **where)
 
 
 def _take(iterator, count):

@@ -10,16 +10,15 @@ import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from tensorflow_datasets.proto import tf_example_pb2
+from conftest import data_section, open_pipeline
 
 # Registers the MovieLens builder class, which `tfds.testing.mock_data` needs to fake the
 # dataset from code (real runs read prepared files without it).
 from tensorflow_datasets.structured import movielens  # noqa: F401
 
-from trainer.data import feed, local_movielens, ratings, tiny_movielens
+from trainer.data import feed, tiny_movielens
 from trainer.data import movielens as pipeline
 from trainer.data.movielens import EVAL_KEYS, TRAIN_KEYS, make_movielens_data
-from trainer.data.negatives import NegativeSampler
 from trainer.data.source import DatasetNotPreparedError
 from trainer.errors import ConfigError, UserError
 
@@ -27,27 +26,19 @@ ML20M = "movielens/20m-ratings"
 
 
 def _config(data_dir, **overrides) -> ml_collections.ConfigDict:
-    config = {
-        "name": "tiny_movielens",
-        "data_dir": str(data_dir),
-        "train_split": "train",
-        "worker_count": 0,
-        "worker_buffer_size": 2,
-        "num_negatives": 4,
-        "num_eval_negatives": 99,
-    }
-    config.update(overrides)
-    return ml_collections.ConfigDict(config)
-
-
-def _make(config, global_batch_size=256, seed=0, process_index=0, process_count=1):
-    return make_movielens_data(
-        config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
+    return data_section(
+        "tiny_movielens",
+        data_dir,
+        **{
+            "num_negatives": 4,
+            "num_eval_negatives": 99,
+            **overrides,
+        },
     )
+
+
+def _make(config, global_batch_size=256, **where):
+    return open_pipeline(make_movielens_data, config, global_batch_size, **where)
 
 
 def _rows(iterator, count):
@@ -180,27 +171,6 @@ def test_negatives_are_uniform_over_items_never_interacted(tiny_dir, reference):
         assert all(len(set(row)) == 99 for row in negatives.tolist())  # Distinct per user.
 
 
-def test_sampler_rejects_positives_when_few_items_are_free():
-    # User 0 has interacted with every item but 3 and 7; user 1 with item 0 only.
-    items = np.array([i for i in range(10) if i not in (3, 7)] + [0])
-    users = np.array([0] * 8 + [1])
-    sampler = NegativeSampler(users, items, num_items=10)
-    keys = np.arange(4000, dtype=np.uint64)
-    sampled = sampler.sample(np.zeros(4000, np.int64), keys)
-    assert set(sampled.tolist()) == {3, 7}
-    assert 1500 < (sampled == 3).sum() < 2500
-    distinct = sampler.sample_distinct(np.array([0, 1, 0]), 2, keys[:3])
-    assert [set(row) for row in distinct.tolist()][::2] == [{3, 7}, {3, 7}]
-    assert 0 not in distinct[1] and distinct[1, 0] != distinct[1, 1]
-    # A row's negatives are a function of its key alone.
-    np.testing.assert_array_equal(
-        sampler.sample_distinct(np.array([1]), 2, keys[1:2]), distinct[1:2]
-    )
-    sampler.check_feasible(2, "toy")
-    with pytest.raises(ConfigError, match="lower num_eval_negatives"):
-        sampler.check_feasible(3, "toy")
-
-
 def test_pipeline_is_deterministic(tiny_dir):
     first, again, other = (_make(_config(tiny_dir), seed=s) for s in (5, 5, 6))
     batches = [next(first.train) for _ in range(3)]
@@ -257,24 +227,6 @@ def test_worker_processes_give_the_same_batches(tiny_dir):
         workers.close()
     for key in TRAIN_KEYS:
         np.testing.assert_array_equal(expected[key], got[key])
-
-
-def test_local_movielens_records_parse_back_to_the_generated_ratings():
-    columns = local_movielens.generate_ratings(num_users=300, num_ratings=30_000, seed=5)
-    assert len(columns["user"]) == 30_000 and np.bincount(columns["user"]).max() > 100
-    counts = np.bincount(columns["user"])[1:]
-    assert (
-        counts.min() >= 20 and len(np.unique(columns["user"] * 10**6 + columns["movie"])) == 30_000
-    )
-    rows = np.random.default_rng(0).permutation(30_000)
-    records = local_movielens.serialize(columns, rows)
-    users, items, times = pipeline._read_columns(records, "local")
-    np.testing.assert_array_equal(users.astype(np.int64), columns["user"][rows])
-    np.testing.assert_array_equal(items.astype(np.int64), columns["movie"][rows])
-    np.testing.assert_array_equal(times, columns["timestamp"][rows])
-    feature = tf_example_pb2.Example.FromString(records[0]).features.feature
-    star = local_movielens._STARS[columns["star"][rows[0]]]
-    assert feature["user_rating"].float_list.value[0] == star
 
 
 def test_eval_batches_are_aligned_across_processes(tiny_dir, reference):
@@ -395,32 +347,6 @@ def test_bad_configs_fail_early(tiny_dir):
     # Users with 60 interactions leave only 440 of the 500 items as negatives.
     with pytest.raises(ConfigError, match="lower num_eval_negatives"):
         _make(_config(tiny_dir, num_eval_negatives=450))
-
-
-def test_vectorised_parser_reads_tfds_records_like_protobuf():
-    features = tfds.builder(ML20M).info.features
-    rng = np.random.default_rng(3)
-    examples = [
-        {
-            "user_id": str(int(rng.integers(1, 10**6))),
-            "movie_id": str(int(rng.integers(1, 10**5))),
-            "timestamp": int(rng.integers(0, 2**40)),
-            "movie_title": "t" * int(rng.integers(1, 300)),
-            "movie_genres": [int(rng.integers(21))],
-            "user_rating": 3.5,
-        }
-        for _ in range(500)
-    ]
-    records = [features.serialize_example(example) for example in examples]
-    assert max(map(len, records)) > 300  # Some lengths need two-byte varints.
-    users, items, times = ratings.parse_chunk(records)
-    np.testing.assert_array_equal(users, [int(e["user_id"]) for e in examples])
-    np.testing.assert_array_equal(items, [int(e["movie_id"]) for e in examples])
-    np.testing.assert_array_equal(times, [e["timestamp"] for e in examples])
-    # Ids that are not plain decimal numbers are left to protobuf (text order).
-    for odd in ("07", "a7", ""):
-        record = features.serialize_example({**examples[0], "user_id": odd})
-        assert ratings.parse_chunk(records[:3] + [record]) is None
 
 
 @pytest.mark.parametrize("split", ["train", "train[10%:30%]"])

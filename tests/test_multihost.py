@@ -29,17 +29,13 @@ RUN = [
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """tiny_translation with its vocabulary and token lengths, prepared once."""
-    import ml_collections
-
     from configs import transformer_1024
-    from trainer.data import translation
+    from trainer.data import pipelines
 
     path = str(tmp_path_factory.mktemp("tfds"))
-    config = ml_collections.ConfigDict(transformer_1024.get_config("tiny").data.to_dict())
-    config.data_dir = path
-    translation.make_translation_data(
-        config, global_batch_size=8, seed=0, process_index=0, process_count=1
-    )
+    config = transformer_1024.get_config("tiny")
+    config.data.data_dir = path
+    pipelines.build(config)
     return path
 
 

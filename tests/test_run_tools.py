@@ -23,6 +23,7 @@ from trainer import checkpoint as checkpoint_lib
 from trainer import experiment, metrics, plot, run_config
 from trainer import export as export_lib
 from trainer import train as train_lib
+from trainer.data import pipelines
 from trainer.data import translation as data_lib
 from trainer.errors import ConfigError
 
@@ -153,9 +154,7 @@ def _restored_params(workdir, config):
 def test_translate_with_beam_search(run, data_dir):
     config = tiny(data_dir)
     vocab = data_lib.load_vocab(config.data)
-    sources, _ = data_lib.make_translation_data(
-        config.data, global_batch_size=64, seed=0, process_index=0, process_count=1
-    ).eval_references()
+    sources, _ = pipelines.build(config).eval_references()
     long = " ".join(sources[:8])  # beyond data.max_length tokens: cut, as in evaluation
     lines = [*sources[:24], "", long]
     # f32 compute (an override of the run's config), so that the reference below, on

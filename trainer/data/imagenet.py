@@ -92,24 +92,13 @@ class ImageOptions:
     num_eval_examples: int  # -1: the whole eval split.
 
 
-def make_image_data(
-    data_config: Any,
-    *,
-    global_batch_size: int,
-    seed: int,
-    process_index: int,
-    process_count: int,
-) -> ImageData:
+def make_image_data(data_config: Any, opts: DataOptions) -> ImageData:
     """Builds this process's training iterator and eval batches.
 
     Args:
       data_config: the `data` config section: the `DataOptions` keys and image_size,
         eval_split, num_eval_examples.
-      global_batch_size: Examples per step over all processes (train and eval); must
-        divide by `process_count`.
-      seed: Seed of the order, crops and flips.
-      process_index: This process, in [0, process_count).
-      process_count: Number of processes reading data.
+      opts: The options every pipeline shares (`DataOptions.from_config`).
 
     Returns:
       The `ImageData` of this process.
@@ -118,13 +107,6 @@ def make_image_data(
       DatasetNotPreparedError: If the TFDS dataset is not prepared in `data_dir`.
       ConfigError: On an inconsistent config.
     """
-    opts = DataOptions.from_config(
-        data_config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
     image_opts = ImageOptions(
         **options.read(
             data_config, {"image_size": int, "eval_split": str, "num_eval_examples": int}

@@ -81,25 +81,14 @@ class MovieLensOptions:
     num_eval_negatives: int
 
 
-def make_movielens_data(
-    data_config: Any,
-    *,
-    global_batch_size: int,
-    seed: int,
-    process_index: int,
-    process_count: int,
-) -> MovieLensData:
+def make_movielens_data(data_config: Any, opts: DataOptions) -> MovieLensData:
     """Builds this process's training iterator and eval batches.
 
     Args:
       data_config: the `data` config section: the `DataOptions` keys (name:
         "movielens/20m-ratings", "local_movielens", "tiny_movielens" or another
         MovieLens ratings config) and num_negatives, num_eval_negatives.
-      global_batch_size: Rows per step over all processes (train and eval); must divide
-        by `process_count`.
-      seed: Seed of the order and of the negatives.
-      process_index: This process, in [0, process_count).
-      process_count: Number of processes reading data.
+      opts: The options every pipeline shares (`DataOptions.from_config`).
 
     Returns:
       The `MovieLensData` of this process.
@@ -108,13 +97,6 @@ def make_movielens_data(
       DatasetNotPreparedError: If the TFDS dataset is not prepared in `data_dir`.
       ConfigError: On an inconsistent config, or data that leaves nothing to train on.
     """
-    opts = DataOptions.from_config(
-        data_config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
     ml_opts = MovieLensOptions(
         **options.read(data_config, {"num_negatives": int, "num_eval_negatives": int})
     )

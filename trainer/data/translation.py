@@ -116,25 +116,14 @@ def _read_options(config: Any, name: str) -> TranslationOptions:
     return tr
 
 
-def make_translation_data(
-    data_config: Any,
-    *,
-    global_batch_size: int,
-    seed: int,
-    process_index: int,
-    process_count: int,
-) -> TranslationData:
+def make_translation_data(data_config: Any, opts: DataOptions) -> TranslationData:
     """Builds this process's training iterator, eval batches and vocabulary.
 
     Args:
       data_config: the `data` config section: the `DataOptions` keys and source_lang,
         target_lang, vocab_path, vocab_size, max_length, pack, eval_split,
         num_eval_examples.
-      global_batch_size: Rows per step over all processes; must divide by
-        `process_count`.
-      seed: Seed of the order of rows and of synthetic data.
-      process_index: This process, in [0, process_count).
-      process_count: Number of processes reading data.
+      opts: The options every pipeline shares (`DataOptions.from_config`).
 
     Returns:
       The `TranslationData` of this process.
@@ -143,13 +132,6 @@ def make_translation_data(
       DatasetNotPreparedError: If a TFDS dataset is not prepared in `data_dir`.
       ConfigError: On an inconsistent config.
     """
-    opts = DataOptions.from_config(
-        data_config,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
     tr = _read_options(data_config, opts.name)
     if opts.name == SYNTHETIC:
         return _synthetic_data(opts, tr)

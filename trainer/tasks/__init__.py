@@ -7,6 +7,7 @@ runs every task through the same code path: it never branches on the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -71,8 +72,14 @@ def make_task(
     ``with_data=False`` builds the model, loss and shapes from the config alone,
     opening no dataset (no train or eval data, no host evaluation): enough to
     compile the training step ahead of time (:mod:`trainer.aot`).
+
+    A family's builder gets ``open_data`` (this process's pipeline, or None) and
+    calls it only after checking the model's config, so that a mistake there
+    fails before a dataset is read or a vocabulary trained.
     """
-    from trainer.tasks import (  # noqa: PLC0415  (heavy imports, on demand)
+    # Heavy imports (models, TFDS, tokenizers), on demand.
+    from trainer.data import pipelines  # noqa: PLC0415
+    from trainer.tasks import (  # noqa: PLC0415
         classification,
         recommendation,
         translation,
@@ -86,6 +93,7 @@ def make_task(
     name = config.model.name
     if name not in builders:
         raise ConfigError(f"model.name must be one of {sorted(builders)}, got '{name}'")
-    return builders[name](
-        config, process_index=process_index, process_count=process_count, with_data=with_data
-    )
+    open_data = None
+    if with_data:
+        open_data = functools.partial(pipelines.build, config, process_index, process_count)
+    return builders[name](config, open_data)

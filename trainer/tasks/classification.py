@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -19,29 +21,10 @@ _STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
 
 
 def make_task(
-    config: ml_collections.ConfigDict,
-    *,
-    process_index: int,
-    process_count: int,
-    with_data: bool = True,
+    config: ml_collections.ConfigDict, open_data: Callable[[], imagenet.ImageData] | None
 ) -> Task:
-    """The image-classification task of ``config`` for this process
-    (``with_data=False``: model and shapes only, see
-    :func:`trainer.tasks.make_task`)."""
-    data = None
-    if with_data:
-        data = imagenet.make_image_data(
-            config.data,
-            global_batch_size=config.global_batch_size,
-            seed=config.seed,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        if data.num_classes != config.model.num_classes:
-            raise ConfigError(
-                f"the data has {data.num_classes} classes but "
-                f"model.num_classes={config.model.num_classes}"
-            )
+    """The image-classification task of ``config`` on this process's data from
+    ``open_data`` (None: model and shapes only, see :func:`trainer.tasks.make_task`)."""
     cfg = resnet.ResNetConfig(
         **resnet.SIZES[config.model.size],
         num_classes=config.model.num_classes,
@@ -51,6 +34,11 @@ def make_task(
         bn_group_size=config.model.bn_group_size,
         remat=config.model.remat,
     )
+    data = open_data() if open_data else None
+    if data is not None and data.num_classes != cfg.num_classes:
+        raise ConfigError(
+            f"the data has {data.num_classes} classes but model.num_classes={cfg.num_classes}"
+        )
     model = resnet.ResNet(cfg)
     size = config.data.image_size
     label_smoothing = config.label_smoothing

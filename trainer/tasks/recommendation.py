@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,30 +17,14 @@ from trainer.tasks import Task
 
 
 def make_task(
-    config: ml_collections.ConfigDict,
-    *,
-    process_index: int,
-    process_count: int,
-    with_data: bool = True,
+    config: ml_collections.ConfigDict, open_data: Callable[[], movielens.MovieLensData] | None
 ) -> Task:
-    """The NCF task of ``config`` for this process (``with_data=False``: model and
-    shapes only, see :func:`trainer.tasks.make_task`).
+    """The NCF task of ``config`` on this process's data from ``open_data`` (None:
+    model and shapes only, see :func:`trainer.tasks.make_task`).
 
     The embedding tables have ``config.model.num_users`` / ``num_items`` rows;
     the data's dense ids must fit in them.
     """
-    data = None
-    if with_data:
-        data = movielens.make_movielens_data(
-            config.data,
-            global_batch_size=config.global_batch_size,
-            seed=config.seed,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        for key, n in (("num_users", data.num_users), ("num_items", data.num_items)):
-            if n > config.model[key]:
-                raise ConfigError(f"the data has {n} {key[4:]} but model.{key}={config.model[key]}")
     cfg = ncf.NCFConfig(
         num_users=config.model.num_users,
         num_items=config.model.num_items,
@@ -48,6 +33,11 @@ def make_task(
         dtype=floating_dtype(config.model.dtype, "model.dtype"),
         param_dtype=floating_dtype(config.model.param_dtype, "model.param_dtype"),
     )
+    data = open_data() if open_data else None
+    if data is not None:
+        for key, n in (("num_users", data.num_users), ("num_items", data.num_items)):
+            if n > config.model[key]:
+                raise ConfigError(f"the data has {n} {key[4:]} but model.{key}={config.model[key]}")
     model = ncf.NCF(cfg)
     init_batch = {
         "users": np.zeros((1,), np.int32),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,63 +77,45 @@ def make_decoder(
 
 
 def make_task(
-    config: ml_collections.ConfigDict,
-    *,
-    process_index: int,
-    process_count: int,
-    with_data: bool = True,
+    config: ml_collections.ConfigDict, open_data: Callable[[], data_lib.TranslationData] | None
 ) -> Task:
-    """The translation task of ``config`` for this process (``with_data=False``:
-    model and shapes only, see :func:`trainer.tasks.make_task`)."""
+    """The translation task of ``config`` on this process's data from ``open_data``
+    (None: model and shapes only, see :func:`trainer.tasks.make_task`)."""
     cfg = model_config(config)
     if config.data.max_length > cfg.max_len:
         raise ConfigError(
             f"data.max_length={config.data.max_length} is longer than the model's position "
             f"table, model.max_len={cfg.max_len}"
         )
-    if not with_data:
-        return _task(config, cfg, data=None)
-    data = data_lib.make_translation_data(
-        config.data,
-        global_batch_size=config.global_batch_size,
-        seed=config.seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
-    if data.vocab.vocab_size > cfg.vocab_size:
+    data = open_data() if open_data else None
+    if data is not None and data.vocab.vocab_size > cfg.vocab_size:
         raise ConfigError(
             f"the data's vocabulary has {data.vocab.vocab_size} ids but model.vocab_size="
             f"{cfg.vocab_size}"
         )
-    return _task(config, cfg, data)
-
-
-def _task(config, cfg: transformer.TransformerConfig, data) -> Task:
     model = transformer.Transformer(cfg)
     length = config.data.max_length
     label_smoothing = config.label_smoothing
     init_batch = {key: np.ones((1, length), np.int32) for key in data_lib.FEATURE_KEYS}
 
+    def packing(batch):
+        # Where each packed row's examples start and which tokens belong together.
+        return {
+            "inputs_positions": batch["inputs_position"],
+            "targets_positions": batch["targets_position"],
+            "inputs_segmentation": batch["inputs_segmentation"],
+            "targets_segmentation": batch["targets_segmentation"],
+        }
+
     def init_fn(rng, batch):
-        return model.init(
-            {"params": rng},
-            batch["inputs"],
-            batch["targets"],
-            inputs_positions=batch["inputs_position"],
-            targets_positions=batch["targets_position"],
-            inputs_segmentation=batch["inputs_segmentation"],
-            targets_segmentation=batch["targets_segmentation"],
-        )
+        return model.init({"params": rng}, batch["inputs"], batch["targets"], **packing(batch))
 
     def loss_fn(variables, batch, rng, train):
         logits = model.apply(
             variables,
             batch["inputs"],
             batch["targets"],
-            inputs_positions=batch["inputs_position"],
-            targets_positions=batch["targets_position"],
-            inputs_segmentation=batch["inputs_segmentation"],
-            targets_segmentation=batch["targets_segmentation"],
+            **packing(batch),
             train=train,
             rngs={"dropout": rng} if train else {},
         )
