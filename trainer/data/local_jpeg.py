@@ -103,10 +103,7 @@ class LocalJpeg(prepare.LocalBuilder):
         )
 
     SUPERVISED_KEYS = ("image", "label")
-
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
-        del dl_manager  # Nothing to download.
-        return {split: self._generate_examples(split) for split in SPLIT_SIZES}
+    SPLITS = tuple(SPLIT_SIZES)
 
     def _generate_examples(self, split: str) -> Iterator:
         for index in range(SPLIT_SIZES[split]):

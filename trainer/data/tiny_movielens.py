@@ -112,11 +112,11 @@ class TinyMovielens(prepare.LocalBuilder):
     def features(self) -> tfds.features.FeatureConnector:
         return rating_features()
 
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
-        del dl_manager  # Nothing to download.
-        return {"train": self._generate_examples(generate_ratings())}
+    SPLITS = ("train",)
 
-    def _generate_examples(self, columns: dict[str, np.ndarray]) -> Iterator:
+    def _generate_examples(self, split: str) -> Iterator:
+        del split  # The only one.
+        columns = generate_ratings()
         for index in range(len(columns["user_id"])):
             yield index, {key: values[index] for key, values in columns.items()}
 
