@@ -40,8 +40,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     # Library INFO lines (TFDS, Orbax) would drown the progress lines.
     logging.set_verbosity(logging.WARNING)
     cli.init_runtime(

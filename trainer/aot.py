@@ -105,8 +105,7 @@ def report(results: dict[str, dict]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     # The host only compiles: keep JAX's default backend on CPU.
     cli.init_runtime(cpu_devices=1)

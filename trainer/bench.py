@@ -179,8 +179,7 @@ def report(results: dict, peak: float, measured: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     try:

@@ -34,6 +34,12 @@ def fail(message: str, code: int = EXIT_USAGE, *, last_words: bool = False) -> N
     sys.exit(code)
 
 
+def reject_arguments(argv: list[str]) -> None:
+    """Exits with a usage error if anything but flags was given (argv[0] is the program)."""
+    if len(argv) > 1:
+        fail(f"unexpected arguments: {' '.join(argv[1:])}")
+
+
 def _config_overrides(argv: list[str]) -> list[str]:
     return [m.group(1) for a in argv if (m := re.match(r"--config\.([\w.]+)", a))]
 

@@ -55,8 +55,7 @@ def append_result(workdir: str, step: int, metrics: dict[str, float], overrides:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
     import jax  # noqa: PLC0415

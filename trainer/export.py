@@ -83,8 +83,7 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "flo
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     storage.configure()
     with cli.clear_errors():

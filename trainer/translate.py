@@ -146,8 +146,7 @@ def translate(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     cli.init_runtime(cpu_devices=_CPU_DEVICES.value)
     config = run_config.config_value()

@@ -141,8 +141,7 @@ def image_stages(config: Any, count: int) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.reject_arguments(argv)
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset_info it loads.
     config = _CONFIG.value
     try:
