@@ -75,17 +75,9 @@ def make_optimizer(
         tx = optax.sgd(lr, momentum=config.momentum, nesterov=config.nesterov)
     elif name == "adam":
         tx = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)
-    elif name == "adamw":
-        tx = optax.adamw(
-            lr,
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            mask=mask,
-        )
-    elif name == "lamb":
-        tx = optax.lamb(
+    elif name in ("adamw", "lamb"):
+        # The same arguments: LAMB is AdamW with a per-layer trust ratio.
+        tx = getattr(optax, name)(
             lr,
             b1=config.b1,
             b2=config.b2,

@@ -37,15 +37,21 @@ SEED = 20240613
 MIN_WORDS = 3
 MAX_WORDS = 12
 
+
+def _words(text: str) -> tuple[str, ...]:
+    """The words of `text` in order: the word tables below read as prose, a line per ~15."""
+    return tuple(text.split())
+
+
 _DETERMINERS = ("the", "a", "this", "that", "every", "some", "my", "your", "our", "their")
-_ADJECTIVES = tuple(
+_ADJECTIVES = _words(
     """
     big small old young red blue green black white happy sad quick slow tall short quiet
     loud bright dark warm cold new good bad clever lazy brave shy strong weak rich poor
     clean dirty friendly angry hungry tired busy calm gentle proud kind strange famous
-    """.split()
+    """
 )
-_NOUNS = tuple(
+_NOUNS = _words(
     """
     dog cat bird horse fish mouse cow sheep fox wolf bear lion rabbit duck goat frog man
     woman child teacher doctor farmer king queen student baker singer soldier sailor painter
@@ -53,25 +59,25 @@ _NOUNS = tuple(
     field school market castle church table chair book letter window door bottle cup apple
     bread cake flower stone ship car train boat hat coat shoe lamp clock key box ball song
     picture map ring bell candle basket
-    """.split()
+    """
 )
-_VERBS = tuple(
+_VERBS = _words(
     """
     sees likes finds takes gives holds wants needs helps follows watches carries builds
     paints opens closes breaks cleans buys sells eats drinks reads writes loves hates visits
     calls meets pushes pulls throws catches hides brings moves draws knows forgets remembers
     answers teaches greets chases feeds
-    """.split()
+    """
 )
-_ADVERBS = tuple(
+_ADVERBS = _words(
     """
     today yesterday often quickly slowly quietly again always never soon here there
-    """.split()
+    """
 )
-_PREPOSITIONS = tuple(
+_PREPOSITIONS = _words(
     """
     in on near under behind with without from beside above
-    """.split()
+    """
 )
 _CONJUNCTION = "and"
 
