@@ -163,6 +163,12 @@ class Experiment:
         checkpoints, the benchmark and evaluation read the state through."""
         return jax.jit(self.to_logical, out_shardings=self.logical_shardings())
 
+    @functools.cached_property
+    def jit_params_to_logical(self) -> Callable[[Any], Any]:
+        """The params alone through :meth:`jit_to_logical`'s conversion, sharded over
+        model axes only: what evaluation and decoding during training read."""
+        return jax.jit(self.plan.to_logical, out_shardings=self.logical_shardings().params)
+
     def from_logical(self, state: step_lib.TrainState) -> step_lib.TrainState:
         """Logical shapes -> this run's stored layout, sharded as the run wants."""
 

@@ -171,14 +171,11 @@ def _train(
         info(f"compiled a loop of {k} steps in {time.perf_counter() - start:.1f}s")
         return out
 
-    with jax.set_mesh(mesh):
-        # Evaluation and decoding see the logical weights, sharded over model axes only.
-        unshard = jax.jit(exp.plan.to_logical, out_shardings=exp.logical_shardings().params)
     evaluate_variables = evaluation.make_evaluator(exp)
 
     def evaluate(state) -> dict[str, float]:
         with jax.set_mesh(mesh):
-            params = unshard(state.params)
+            params = exp.jit_params_to_logical(state.params)
         return evaluate_variables({"params": params, **state.model_state})
 
     # ---------------------------------------------------------- host loop
