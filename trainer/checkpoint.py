@@ -30,18 +30,17 @@ Faults, and what a run does about them:
 Orbax logs the errors of its background threads with tracebacks; they reach
 the run through :meth:`Checkpointer.failure` and :meth:`Checkpointer.wait`,
 which report them as one line, so :mod:`trainer.orbax_output` drops those records.
+
+:class:`Checkpointer` is the only code that knows this layout. Beside it:
+:mod:`trainer.checkpoint_data` (the ``data`` item's handler),
+:mod:`trainer.checkpoint_tree` (a ``state`` item read by shape) and
+:mod:`trainer.checkpoint_leftovers` (removing what an unfinished save left).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
-import os
-import re
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -52,13 +51,19 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from trainer import errors, faults, orbax_output, storage
-from trainer.errors import UserError
+from trainer import (
+    checkpoint_data,
+    checkpoint_leftovers,
+    checkpoint_tree,
+    errors,
+    orbax_output,
+    storage,
+)
 
 CORRUPT = "corrupt"  # unreadable checkpoints are moved into this subdirectory
 
 
-class CheckpointError(UserError):
+class CheckpointError(errors.UserError):
     """Checkpoints exist but none can be used, or one cannot be written."""
 
 
@@ -72,149 +77,11 @@ class SaveFailedError(CheckpointError):
     last_words = True
 
 
-class DataStateHandler(ocp.AsyncCheckpointHandler):
-    """Saves the input position, one JSON for the whole job.
-
-    The position is global (the index of the next global batch, the same on every
-    process; see trainer.data.feed), so process 0 writes it and any number of
-    processes can resume from it. Written by the save's background commit, like
-    the arrays (and where :mod:`trainer.faults`' ``save`` point is).
-    """
-
-    _FILE = "position.json"
-
-    async def _write(self, directory: epath.Path, state: Any) -> None:
-        faults.point("save")
-        if jax.process_index() == 0:
-            (directory / self._FILE).write_text(json.dumps(state))
-
-    async def async_save(self, directory: epath.Path, args: DataStateSave) -> list:
-        return [
-            ocp.future.CommitFutureAwaitingContractedSignals(
-                self._write(directory, args.state), name="position_save"
-            )
-        ]
-
-    def save(self, directory: epath.Path, args: DataStateSave) -> None:
-        asyncio.run(self._write(directory, args.state))
-
-    def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> Any:
-        state = json.loads((directory / self._FILE).read_text())
-        if not isinstance(state, dict):
-            raise ValueError(f"{directory / self._FILE} holds no input position: {state!r}")
-        return state
-
-    def metadata(self, directory: epath.Path) -> None:
-        return None
-
-
-@ocp.args.register_with_handler(DataStateHandler, for_save=True)
-@dataclasses.dataclass
-class DataStateSave(ocp.args.CheckpointArgs):
-    state: Any
-
-
-@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
-@dataclasses.dataclass
-class DataStateRestore(ocp.args.CheckpointArgs):
-    pass
-
-
-# What a failed write says when the disk, not the program, is at fault.
-_DISK_ERRORS = "No space left on device|Disk quota exceeded|Permission denied|Read-only file system"
-
-
-def _short(error: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    text = text.split(" See full TensorStore details")[0]  # a repr of the whole spec follows
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# The helper of Checkpointer.remove_temporary_after_exit: argv = [pid, glob pattern].
-_REMOVE_AFTER_EXIT = """
-import glob, os, shutil, sys, time
-pid, pattern = int(sys.argv[1]), sys.argv[2]
-deadline = time.time() + 120
-while time.time() < deadline:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break  # exited; its parent has not reaped it yet
-    except FileNotFoundError:
-        break
-    except OSError:  # no /proc: ask the process table
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            break
-    time.sleep(0.02)
-for path in glob.glob(pattern):
-    shutil.rmtree(path, ignore_errors=True)
-"""
-
-
 def all_processes(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (every process must call this)."""
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
-
-
-def _name(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _first_mismatch(abstract, metadata) -> tuple[str, str] | None:
-    """``(leaf path, what differs)`` for the first leaf (parameters first) whose
-    checkpointed shape differs from the target's, or that only one of them has."""
-    # Metadata comes back as nested dicts where the state had NamedTuples: compare
-    # paths by their names only.
-    saved = {_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(metadata)}
-    wanted = {_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-    for key in sorted(wanted, key=lambda k: not k.startswith("params/")):
-        if key not in saved:
-            return key, f"{key} is not in the checkpoint"
-        shape = tuple(getattr(saved[key], "shape", ()) or ())
-        if shape != tuple(wanted[key].shape):
-            return key, (
-                f"{key} has shape {shape} in the checkpoint but {tuple(wanted[key].shape)} here"
-            )
-    extra = sorted(set(saved) - set(wanted))
-    return (extra[0], f"the checkpoint has {extra[0]}, which this run does not") if extra else None
-
-
-def tree_metadata(directory: str | epath.PathLike) -> Any:
-    """Shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) of the Orbax PyTree
-    checkpoint in ``directory`` (a ``state`` item, or a ``trainer.export``)."""
-    path = storage.path(directory)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no directory {path}")
-    metadata = ocp.PyTreeCheckpointer().metadata(path).item_metadata
-    if metadata is None:
-        raise ValueError(f"{path} is not an Orbax checkpoint")
-    metadata = metadata.tree
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), metadata)
-
-
-def restore_tree(directory: str | epath.PathLike, target: dict) -> dict:
-    """Reads only the leaves of ``target`` from the Orbax PyTree checkpoint in
-    ``directory``, straight into their shardings and dtypes.
-
-    Args:
-      directory: the checkpoint (a ``state`` item, or a ``trainer.export``).
-      target: a nested dict, a subset of the saved tree, of ``jax.ShapeDtypeStruct``
-        with shardings.
-    """
-    kept = {k: v for k, v in target.items() if jax.tree.leaves(v)}  # orbax refuses empty ones
-    restored = ocp.PyTreeCheckpointer().restore(
-        storage.path(directory),
-        args=ocp.args.PyTreeRestore(
-            item=kept,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(kept),
-            partial_restore=True,
-        ),
-    )
-    return {k: restored[k] if k in kept else v for k, v in target.items()}
 
 
 class Checkpointer:
@@ -261,7 +128,7 @@ class Checkpointer:
             ),
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
-                "data": DataStateHandler(),
+                "data": checkpoint_data.DataStateHandler(),
                 "config": ocp.JsonCheckpointHandler(),
             },
         )
@@ -314,24 +181,23 @@ class Checkpointer:
 
     def state_metadata(self, step: int) -> dict:
         """Shapes and dtypes of the saved train state of ``step`` (logical shapes)."""
-        metadata = self._manager.item_metadata(step)["state"]
-        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), metadata)
+        return checkpoint_tree.shapes(self._manager.item_metadata(step)["state"])
 
     def restore_state_parts(self, step: int, target: dict) -> dict:
         """Reads only some entries of the train state of ``step`` (e.g. ``params`` and
         ``model_state``, not the optimizer state) into ``target``'s shardings; see
-        :func:`restore_tree`.
+        :func:`trainer.checkpoint_tree.restore_tree`.
 
         Raises:
           CheckpointMismatchError: naming the first leaf whose shape differs.
         """
         saved = {k: v for k, v in self.state_metadata(step).items() if k in target}
-        mismatch = _first_mismatch(target, saved)
+        mismatch = checkpoint_tree.first_mismatch(target, saved)
         if mismatch:
             raise CheckpointMismatchError(
                 f"checkpoint {step} in {self.directory} does not fit this config: {mismatch[1]}"
             )
-        return restore_tree(self.state_directory(step), target)
+        return checkpoint_tree.restore_tree(self.state_directory(step), target)
 
     def save(self, step: int, logical_state, data_state, config: ml_collections.ConfigDict):
         """Starts saving (returns before the write finishes if async).
@@ -345,7 +211,7 @@ class Checkpointer:
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(logical_state._asdict()),
-                data=DataStateSave(data_state),
+                data=checkpoint_data.DataStateSave(data_state),
                 config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())),
             ),
             force=True,
@@ -372,9 +238,9 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001  (any write error of any item)
             step, self._pending = self._pending, None
             self.remove_temporary(step)
-            cause = re.search(_DISK_ERRORS, str(e))
-            self._failure = f"saving the checkpoint of step {step} in {self.directory} failed: " + (
-                f"{cause.group(0)} ({_short(e, 200)})" if cause else _short(e)
+            self._failure = (
+                f"saving the checkpoint of step {step} in {self.directory} failed: "
+                + orbax_output.write_error(e)
             )
             raise SaveFailedError(self._failure) from None
         self._pending = None
@@ -383,52 +249,24 @@ class Checkpointer:
         """Removes what a save of ``step`` left unfinished (process 0; None: nothing).
 
         Writer threads of a failed or abandoned save may still add files (and
-        directories) meanwhile: removes until none has reappeared for 0.3s, for at
-        most 10s. A later run removes any leftover (``cleanup_tmp_directories``).
+        directories) meanwhile: removes until they stop for a moment
+        (:func:`trainer.checkpoint_leftovers.remove_until_quiet`). A later run
+        removes any leftover (``cleanup_tmp_directories``).
         """
         if step is None or jax.process_index() != 0 or self._read_only:
             return
-        deadline, quiet = time.monotonic() + 10, 0
-        while quiet < 3 and time.monotonic() < deadline:
-            paths = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
-            quiet = 0 if paths else quiet + 1
-            for path in paths:
-                with contextlib.suppress(OSError):  # a writer added a file meanwhile
-                    if path.is_dir():
-                        path.rmtree(missing_ok=True)
-                    else:
-                        path.unlink(missing_ok=True)
-            time.sleep(0.1)
+        checkpoint_leftovers.remove_until_quiet(self.directory, f"{step}.orbax-checkpoint-tmp*")
 
     def remove_temporary_after_exit(self, step: int | None) -> None:
         """Removes what an abandoned save of ``step`` left, once this process has
         exited (process 0; None: nothing): its writer threads die with the
-        process, and until then may re-create what is removed. A small helper
-        process waits for this one to end, then removes it. In an object store,
-        one pass now; the next run removes the rest (``cleanup_tmp_directories``).
+        process, and until then may re-create what is removed
+        (:func:`trainer.checkpoint_leftovers.remove_after_exit`). In an object
+        store, one pass now; the next run removes the rest (``cleanup_tmp_directories``).
         """
         if step is None or jax.process_index() != 0 or self._read_only:
             return
-        pattern = f"{step}.orbax-checkpoint-tmp*"
-        if storage.is_remote(self.directory):
-            for path in self.directory.glob(pattern):
-                with contextlib.suppress(OSError):
-                    path.rmtree(missing_ok=True) if path.is_dir() else path.unlink(missing_ok=True)
-            return
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-S",
-                "-c",
-                _REMOVE_AFTER_EXIT,
-                str(os.getpid()),
-                os.path.join(os.fspath(self.directory), pattern),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a second Ctrl-C to the terminal's group spares it
-        )
+        checkpoint_leftovers.remove_after_exit(self.directory, f"{step}.orbax-checkpoint-tmp*")
 
     def abandon(self) -> int | None:
         """Gives up the save in flight without waiting (a peer died, or Ctrl-C
@@ -485,7 +323,9 @@ class Checkpointer:
                 saved = self._manager.restore(
                     step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
                 )["config"]
-                mismatch = _first_mismatch(target, self._manager.item_metadata(step)["state"])
+                mismatch = checkpoint_tree.first_mismatch(
+                    target, self._manager.item_metadata(step)["state"]
+                )
                 problem = None
             except Exception as e:  # noqa: BLE001  (any unreadable part: try an older one)
                 mismatch, problem = None, e
@@ -510,7 +350,8 @@ class Checkpointer:
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), data=DataStateRestore()
+                        state=ocp.args.StandardRestore(target),
+                        data=checkpoint_data.DataStateRestore(),
                     ),
                 )
                 problem = None
@@ -527,7 +368,8 @@ class Checkpointer:
         the next save of that step finds the name free. A read-only reader
         only warns."""
         if self._read_only:
-            errors.warn(f"checkpoint {step} is unreadable ({_short(problem)}); trying an older one")
+            what = orbax_output.one_line(problem)
+            errors.warn(f"checkpoint {step} is unreadable ({what}); trying an older one")
             return
         if jax.process_index() == 0:
             corrupt = self.directory / CORRUPT
@@ -539,7 +381,9 @@ class Checkpointer:
                     "move. Inspect or delete them; move one back to retry it.\n"
                 )
             destination = corrupt / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            why = _short(problem) if problem is not None else "unreadable on another process"
+            why = "unreadable on another process"
+            if problem is not None:
+                why = orbax_output.one_line(problem)
             (self.directory / str(step)).rename(destination)
             errors.warn(
                 f"checkpoint {step} is unreadable ({why}); moved it to {destination}; trying an "

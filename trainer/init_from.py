@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 
 from trainer import checkpoint as checkpoint_lib
+from trainer import checkpoint_tree
 from trainer import experiment as experiment_lib
 from trainer import step as step_lib
 from trainer.errors import ConfigError
@@ -55,13 +56,17 @@ def _open(source: str):
 
         return f"checkpoint {step} of {source}", saved, read
     try:
-        saved = checkpoint_lib.tree_metadata(source)
+        saved = checkpoint_tree.tree_metadata(source)
     except (FileNotFoundError, ValueError, OSError) as e:
         raise ConfigError(
             f"init_from={source} is neither a run directory with checkpoints nor a "
             f"directory written by trainer.export ({type(e).__name__}: {e})"
         ) from None
-    return f"the export {source}", saved, lambda target: checkpoint_lib.restore_tree(source, target)
+    return (
+        f"the export {source}",
+        saved,
+        lambda target: checkpoint_tree.restore_tree(source, target),
+    )
 
 
 def initial_state(

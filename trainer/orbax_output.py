@@ -5,7 +5,8 @@ about every broken file while a checkpoint is probed; the same problems reach
 the run through :class:`trainer.checkpoint.Checkpointer`, which reports each
 once, in one line. So :func:`quiet` drops those records, the tracebacks
 TensorStore prints for writes that end after their save failed, and those of
-Orbax's read coroutines that are collected after a restore failed.
+Orbax's read coroutines that are collected after a restore failed; and
+:func:`one_line` and :func:`write_error` make that one line of an Orbax error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 
@@ -30,6 +32,23 @@ class _DropErrors(logging.Filter):
         if record.levelno >= level and "/orbax/" in record.pathname:
             return False
         return "exception was never retrieved" not in str(record.msg)
+
+
+# What a failed write says when the disk, not the program, is at fault.
+_DISK_ERRORS = "No space left on device|Disk quota exceeded|Permission denied|Read-only file system"
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``error``'s message in one line of at most ``limit`` characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = text.split(" See full TensorStore details")[0]  # a repr of the whole spec follows
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def write_error(error: BaseException) -> str:
+    """A failed write in one line, its cause first when the disk is at fault."""
+    cause = re.search(_DISK_ERRORS, str(error))
+    return f"{cause.group(0)} ({one_line(error, 200)})" if cause else one_line(error)
 
 
 @contextlib.contextmanager
