@@ -4,7 +4,8 @@ The model knows nothing of meshes: every parameter carries logical axis names fr
 {"vocab", "embed", "mlp", "heads", "kv"} and key activations carry logical constraints from
 {"batch", "length", "embed", "mlp", "heads", "kv", "vocab"}; the trainer maps them to mesh
 axes. Token id 0 is padding and doubles as the decoder's BOS token. Decoding (greedy, beam
-search) lives in `models/decode.py`, the key/value cache in `models/kv_cache.py`.
+search) lives in `models/decode.py`, the key/value cache in `models/kv_cache.py`; position
+embeddings, decoder inputs and attention masks of (packed) rows in `models/packed_sequences.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models.kv_cache import update_kv_cache
+from models.packed_sequences import attention_mask, shift_right, sinusoidal_embedding
 from models.remat import remat_layer
 
 Array = jax.Array
@@ -73,48 +74,6 @@ def _dense(cfg: TransformerConfig, features: int, names: tuple[str, str], name: 
         bias_init=_named(nn.initializers.zeros, names[-1]),
         name=name,
     )
-
-
-def sinusoidal_embedding(positions: Array, dim: int) -> Array:
-    """Sinusoidal position embeddings ([sin | cos] halves) of int [batch, length] positions.
-
-    Computed from explicit positions so packed segments each restart at 0.
-    Returns float32 [batch, length, dim].
-    """
-    # Vaswani et al.: channel pair i has wavelength 2*pi * 10000^(2i/dim).
-    inv_freq = np.power(1.0e4, -2.0 * np.arange(dim // 2) / dim).astype(np.float32)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq
-    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
-
-
-def shift_right(targets: Array, segmentation: Array | None = None) -> Array:
-    """Decoder inputs: int [batch, length] targets shifted right by one, 0 (BOS) in front.
-
-    With packing the first token of every segment is 0 rather than the previous segment's
-    last token, so nothing leaks across segment boundaries.
-    """
-    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
-    if segmentation is not None:
-        previous_segment = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
-        shifted = jnp.where(segmentation == previous_segment, shifted, 0)
-    return shifted
-
-
-def attention_mask(
-    q_valid: Array,
-    k_valid: Array,
-    q_seg: Array | None = None,
-    k_seg: Array | None = None,
-    causal: bool = False,
-) -> Array:
-    """Boolean [batch, 1, q_len, k_len] mask, True where a query may attend to a key."""
-    mask = q_valid[:, :, None] & k_valid[:, None, :]
-    if q_seg is not None:
-        mask &= q_seg[:, :, None] == k_seg[:, None, :]
-    if causal:
-        q_len, k_len = mask.shape[1:]
-        mask &= jnp.arange(q_len)[:, None] >= jnp.arange(k_len)[None, :]
-    return mask[:, None]
 
 
 class Embedding(nn.Module):
