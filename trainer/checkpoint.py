@@ -180,8 +180,16 @@ class Checkpointer:
         return step
 
     def state_metadata(self, step: int) -> dict:
-        """Shapes and dtypes of the saved train state of ``step`` (logical shapes)."""
-        return checkpoint_tree.shapes(self._manager.item_metadata(step)["state"])
+        """Shapes and dtypes of the saved train state of ``step`` (logical shapes).
+
+        Raises:
+          ValueError: if the step has no state metadata (callers name the checkpoint
+            and what to do instead).
+        """
+        metadata = self._manager.item_metadata(step)
+        if metadata is None or "state" not in metadata or metadata["state"] is None:
+            raise ValueError("its state has no metadata (an empty or cut step directory?)")
+        return checkpoint_tree.shapes(metadata["state"])
 
     def restore_state_parts(self, step: int, target: dict) -> dict:
         """Reads only some entries of the train state of ``step`` (e.g. ``params`` and

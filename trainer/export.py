@@ -41,39 +41,23 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "flo
     if destination.exists():
         raise ConfigError(f"--out {destination} already exists: choose a new path or remove it")
     directory = storage.workdir(workdir)
-    if not (directory / "checkpoints").is_dir():
+    if not checkpoint_lib.Checkpointer.exists(directory):
         raise checkpoint_lib.CheckpointError(f"no checkpoints in {directory}")
     checkpoints = checkpoint_lib.Checkpointer(directory, keep=1, read_only=True)
-    steps = checkpoints.steps()
-    if not steps:
-        raise checkpoint_lib.CheckpointError(f"no complete checkpoint in {checkpoints.directory}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise checkpoint_lib.CheckpointError(f"no checkpoint of step {step}; there are {steps}")
-    path = checkpoints.state_directory(step)
-    checkpointer = ocp.PyTreeCheckpointer()
+    step = checkpoints.resolve_step(step)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     try:
         with orbax_output.probing():  # Orbax's warnings about the broken parts, unsaid
-            saved = checkpointer.metadata(path)
-        if saved is None or saved.item_metadata is None:
-            raise ValueError("its state has no metadata (an empty or cut step directory?)")
-        metadata = saved.item_metadata.tree["params"]
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = {
-            "params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata)
-        }
-        restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-        restored = checkpointer.restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args, partial_restore=True
-            ),
-        )
+            saved = checkpoints.state_metadata(step)["params"]
+            target = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved
+            )
+            restored = checkpoints.restore_state_parts(step, {"params": target})
     except Exception as e:  # noqa: BLE001  (any unreadable part of it)
-        others = [s for s in steps if s != step]
+        others = [s for s in checkpoints.steps() if s != step]
         raise checkpoint_lib.CheckpointError(
             f"checkpoint {step} in {checkpoints.directory} is unreadable "
-            f"({' '.join(str(e).split())[:300]}); export another with --step (there are {others})"
+            f"({orbax_output.one_line(e)}); export another with --step (there are {others})"
         ) from None
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), restored["params"])
     saver = ocp.StandardCheckpointer()
