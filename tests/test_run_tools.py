@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import tiny_translation
+from conftest import REPO, command_env, tiny_translation
 from etils import epath
 
 from configs import transformer_1024
@@ -25,8 +25,6 @@ from trainer import export as export_lib
 from trainer import train as train_lib
 from trainer.data import translation as data_lib
 from trainer.errors import ConfigError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(data_dir, **overrides):
@@ -62,8 +60,6 @@ def run(data_dir, tmp_path_factory):
 
 
 def cli(module, *args, stdin=None):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
     result = subprocess.run(
         [sys.executable, "-m", module, *args],
         input=stdin,
@@ -71,7 +67,7 @@ def cli(module, *args, stdin=None):
         text=True,
         timeout=600,
         cwd=REPO,
-        env=env,
+        env=command_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
@@ -113,8 +109,6 @@ def test_evaluate_a_checkpoint_on_another_mesh(run):
 
 
 def test_evaluate_errors_are_one_line(run):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
     for args, message in [
         (["--step", "7"], "no checkpoint of step 7"),
         (["--config.eval_bogus=1"], "unknown config key 'eval_bogus'"),
@@ -134,7 +128,7 @@ def test_evaluate_errors_are_one_line(run):
             text=True,
             timeout=300,
             cwd=REPO,
-            env=env,
+            env=command_env(),
         )
         assert result.returncode != 0
         assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), (
