@@ -5,6 +5,7 @@ at import time of the first module pytest loads.
 """
 
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -69,6 +70,35 @@ def command_env(**variables: str) -> dict[str, str]:
     (WUS_FAULT, trainer/faults.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WUS_FAULT")}
     return {**env, "PYTHONPATH": REPO, **variables}
+
+
+def run_command(
+    command: list[str], *, timeout: float = 300, stdin: str | None = None, **variables: str
+) -> subprocess.CompletedProcess:
+    """Runs ``command`` to the end from :data:`REPO` in :func:`command_env`
+    (``variables`` set), ``stdin`` as its input; its output captured as text."""
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=command_env(**variables),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_command(command: list[str]) -> subprocess.Popen:
+    """Starts ``command`` from :data:`REPO` in :func:`command_env`, its stdout and
+    stderr merged into one text pipe for the test to read as the run goes."""
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulate=1):

@@ -4,13 +4,12 @@ import glob
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, command_env, tiny_command, tiny_translation
+from conftest import start_command, tiny_command, tiny_translation
 
 from trainer import checkpoint as checkpoint_lib
 from trainer import experiment
@@ -164,14 +163,7 @@ def _start(workdir, data_dir, **overrides):
             **overrides,
         },
     )
-    return subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_command(command)
 
 
 def _wait_for(proc, text, timeout=240):

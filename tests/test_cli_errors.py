@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, command_env, tiny_command, tiny_flags
+from conftest import REPO, command_env, run_command, tiny_command, tiny_flags
 
 
 def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
@@ -108,17 +108,6 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
     }
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command,
-        cwd=REPO,
-        env=command_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case's result, run 3 at a time (most of their time is importing JAX)."""
@@ -126,7 +115,7 @@ def results(tmp_path_factory):
     open(os.path.join(tmp, "afile"), "w").close()
     cases = _cases(tmp)
     with ThreadPoolExecutor(3) as pool:
-        done = dict(zip(cases, pool.map(_run, [c for c, _ in cases.values()]), strict=True))
+        done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
     return {name: (done[name], cases[name][1]) for name in cases}
 
 
@@ -156,7 +145,7 @@ def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
     os.write(lock, json.dumps(holder).encode())
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-        result = _run(tiny_command(tmp_path, tmp_path / "tfds"))
+        result = run_command(tiny_command(tmp_path, tmp_path / "tfds"))
     finally:
         os.close(lock)
     assert result.returncode == 1, result.stderr[-3000:]

@@ -11,12 +11,11 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
-from conftest import REPO, command_env, tiny_command
+from conftest import run_command, tiny_command
 
 STEPS = 8  # 4 loops of 2 steps, a checkpoint after each
 
@@ -46,14 +45,7 @@ def run(shared, workdir, fault=None, *, timeout=300, **overrides):
             **overrides,
         },
     )
-    return subprocess.run(
-        command,
-        cwd=REPO,
-        env=command_env(WUS_FAULT=fault) if fault else command_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_command(command, timeout=timeout, **({"WUS_FAULT": fault} if fault else {}))
 
 
 def losses(workdir) -> dict[int, float]:
@@ -185,21 +177,8 @@ def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
 
     # trainer.export of the truncated checkpoint: one line, and --out must be new.
     def export(*args):
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer.export",
-                "--workdir",
-                str(tmp_path / "export_copy"),
-                *args,
-            ],
-            cwd=REPO,
-            env=command_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        copy = str(tmp_path / "export_copy")
+        return run_command([sys.executable, "-m", "trainer.export", "--workdir", copy, *args])
 
     result = export("--out", str(tmp_path / "params"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, command_env, tiny_command, tiny_translation
+from conftest import REPO, run_command, tiny_command, tiny_translation
 from etils import epath
 from tensorboardX.proto import event_pb2
 
@@ -70,16 +70,9 @@ def gcs(emulator):
     fsspec.config.conf.update(saved_conf)
 
 
-def run_command(command: list[str], emulator: str) -> str:
+def succeed(command: list[str], emulator: str) -> str:
     """The output of ``command``, which must succeed, run against the emulator."""
-    result = subprocess.run(
-        command,
-        cwd=REPO,
-        env=command_env(STORAGE_EMULATOR_HOST=emulator),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_command(command, timeout=600, STORAGE_EMULATOR_HOST=emulator)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -109,12 +102,10 @@ def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
     with open(tmp_path / "local" / "metrics.jsonl") as f:
         local_losses = {row["step"]: row["loss"] for row in map(json.loads, f)}
 
-    run_command(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=8), emulator)
-    out = run_command(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=16), emulator)
+    succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=8), emulator)
+    out = succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=16), emulator)
     assert f"resumed from the checkpoint of step 8 in {RUN}/checkpoints" in out
-    run_command(
-        [sys.executable, "-m", "trainer.export", "--workdir", RUN, "--out", PARAMS], emulator
-    )
+    succeed([sys.executable, "-m", "trainer.export", "--workdir", RUN, "--out", PARAMS], emulator)
 
     run = epath.Path(RUN)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, command_env, tiny_command, tiny_flags
+from conftest import run_command, start_command, tiny_command, tiny_flags
 
 # The input order is global (trainer/data/order.py): process p of n reads block p of
 # every global batch, so the global batches - hence the losses - do not depend on n.
@@ -51,20 +51,11 @@ def launch(workdir, processes, data_dir, timeout=600):
         "--",
         *tiny_flags(workdir, data_dir, **RUN),
     ]
-    return subprocess.run(
-        cmd, cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_command(cmd, timeout=timeout)
 
 
 def single(workdir, data_dir, timeout=600):
-    return subprocess.run(
-        tiny_command(workdir, data_dir, **RUN),
-        cwd=REPO,
-        env=command_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_command(tiny_command(workdir, data_dir, **RUN), timeout=timeout)
 
 
 def losses(workdir):
@@ -130,14 +121,7 @@ def test_killed_process_stops_the_job(tmp_path):
         *tiny_flags(tmp_path, tmp_path / "tfds", **overrides),
         "--heartbeat_timeout=10",
     ]
-    launcher = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    launcher = start_command(cmd)
     deadline = time.time() + 300
     while time.time() < deadline:
         line = launcher.stdout.readline()

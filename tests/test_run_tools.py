@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import struct
-import subprocess
 import sys
 
 import jax
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, command_env, tiny_translation
+from conftest import run_command, tiny_translation
 from etils import epath
 
 from configs import transformer_1024
@@ -60,15 +59,7 @@ def run(data_dir, tmp_path_factory):
 
 
 def cli(module, *args, stdin=None):
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-        env=command_env(),
-    )
+    result = run_command([sys.executable, "-m", module, *args], timeout=600, stdin=stdin)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
 
@@ -113,23 +104,8 @@ def test_evaluate_errors_are_one_line(run):
         (["--step", "7"], "no checkpoint of step 7"),
         (["--config.eval_bogus=1"], "unknown config key 'eval_bogus'"),
     ]:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer.evaluate",
-                "--workdir",
-                run,
-                "--cpu_devices",
-                "8",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=REPO,
-            env=command_env(),
-        )
+        evaluate = [sys.executable, "-m", "trainer.evaluate", "--workdir", run, "--cpu_devices=8"]
+        result = run_command([*evaluate, *args])
         assert result.returncode != 0
         assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), (
             result.stderr[-2000:]

@@ -2,12 +2,11 @@
 
 import json
 import os
-import subprocess
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, command_env, tiny_command, tiny_translation
+from conftest import run_command, tiny_command, tiny_translation
 
 from trainer import train as train_lib
 
@@ -73,14 +72,7 @@ def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
     ],
 )
 def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
-    result = subprocess.run(
-        tiny_command(tmp_path, data_dir, **overrides),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=command_env(),
-    )
+    result = run_command(tiny_command(tmp_path, data_dir, **overrides))
     assert result.returncode != 0
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-2000:]
