@@ -1,7 +1,8 @@
 """Keys every run config has, with their defaults.
 
-Each ``configs/<name>.py`` starts from :func:`base_config` and sets what its
-model needs, so the trainer never guesses a default with ``config.get``.
+Each ``configs/<name>.py`` starts from :func:`base_config`, builds its ``data``
+section with :func:`data_config` and sets what its model needs, so the trainer
+never guesses a default with ``config.get``.
 """
 
 from collections.abc import Iterable
@@ -102,6 +103,30 @@ def base_config() -> ml_collections.ConfigDict:
         dict(modes=("wus", "fsdp"), shard_group_sizes=(), min_shard_bytes=(4096, 65536, 1 << 20))
     )
     return config
+
+
+def data_config(name: str, *, worker_count: int, **fields) -> ml_collections.ConfigDict:
+    """A ``data`` section: the keys every input pipeline reads, then the dataset's own.
+
+    The shared keys are those of trainer/data/options.py:DataOptions.
+
+    Args:
+      name: TFDS dataset name, or an embedded one (e.g. "tiny_translation").
+      worker_count: grain worker processes making training batches; 0 = in the
+        trainer's process.
+      **fields: the keys of this dataset's pipeline (image_size, vocab_path, ...).
+    """
+    return ml_collections.ConfigDict(
+        dict(
+            name=name,
+            # Where the prepared TFDS datasets are; None = TFDS's default directory.
+            data_dir=ml_collections.FieldReference(None, field_type=str),
+            train_split="train",
+            worker_count=worker_count,
+            worker_buffer_size=2,  # batches each worker prepares ahead
+            **fields,
+        )
+    )
 
 
 def variant_parts(variant: str, known: Iterable[str]) -> set[str]:

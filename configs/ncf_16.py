@@ -46,18 +46,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             param_dtype="float32",
         )
     )
-    config.data = ml_collections.ConfigDict(
-        dict(
-            name="movielens/20m-ratings",
-            data_dir=ml_collections.FieldReference(None, field_type=str),
-            train_split="train",  # MovieLens has no other split; eval is leave-one-out.
-            # ~0.5-0.8M examples/s per core (python -m trainer.data.bench): a TPU-v3 host
-            # consuming ~5-25M examples/s needs ~10-40 cores; workers each hold ~0.5 GB.
-            worker_count=16,
-            worker_buffer_size=2,
-            num_negatives=4,
-            num_eval_negatives=999,
-        )
+    # No eval_split: MovieLens has only "train"; eval is leave-one-out of it.
+    config.data = common.data_config(
+        "movielens/20m-ratings",
+        # ~0.5-0.8M examples/s per core (python -m trainer.data.bench): a TPU-v3 host
+        # consuming ~5-25M examples/s needs ~10-40 cores; workers each hold ~0.5 GB.
+        worker_count=16,
+        num_negatives=4,
+        num_eval_negatives=999,
     )
     config.optimizer.name = "adam"
     config.optimizer.learning_rate = 0.002

@@ -54,19 +54,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             remat="none",
         )
     )
-    config.data = ml_collections.ConfigDict(
-        dict(
-            name="imagenet2012",
-            data_dir=ml_collections.FieldReference(None, field_type=str),
-            train_split="train",
-            # ~400 images/s per core (python -m trainer.data.bench, :local_jpeg); a TPU-v3
-            # host consumes ~7,500-10,000 images/s: ~20-25 cores, plus headroom.
-            worker_count=32,
-            worker_buffer_size=2,
-            image_size=224,
-            eval_split="validation",
-            num_eval_examples=-1,
-        )
+    config.data = common.data_config(
+        "imagenet2012",
+        # ~400 images/s per core (python -m trainer.data.bench, :local_jpeg); a TPU-v3
+        # host consumes ~7,500-10,000 images/s: ~20-25 cores, plus headroom.
+        worker_count=32,
+        image_size=224,
+        eval_split="validation",
+        num_eval_examples=-1,
     )
     config.optimizer.update(
         name="lars",

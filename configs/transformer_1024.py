@@ -31,7 +31,6 @@ from configs import common
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     config = common.base_config()
-    config.seed = 0
     config.global_batch_size = 2048
     config.num_train_steps = 20_000
     config.steps_per_loop = 100
@@ -65,23 +64,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             remat="none",
         )
     )
-    config.data = ml_collections.ConfigDict(
-        dict(
-            name="wmt14_translate/de-en",
-            data_dir=ml_collections.FieldReference(None, field_type=str),
-            train_split="train",
-            # Tokenizing a host's rows takes a few ms a step: a few workers keep up.
-            worker_count=4,
-            worker_buffer_size=2,
-            source_lang="en",
-            target_lang="de",
-            vocab_path=ml_collections.FieldReference(None, field_type=str),
-            vocab_size=32_000,
-            max_length=256,
-            pack=True,
-            eval_split="test",
-            num_eval_examples=-1,
-        )
+    config.data = common.data_config(
+        "wmt14_translate/de-en",
+        # Tokenizing a host's rows takes a few ms a step: a few workers keep up.
+        worker_count=4,
+        source_lang="en",
+        target_lang="de",
+        vocab_path=ml_collections.FieldReference(None, field_type=str),
+        vocab_size=32_000,
+        max_length=256,
+        pack=True,
+        eval_split="test",
+        num_eval_examples=-1,
     )
     # Peak ~ 2 * d_model^-0.5 * warmup^-0.5 of the usual "noam" rule.
     config.optimizer.name = "adam"

@@ -58,6 +58,8 @@ def expected_codes(way: str, out: str) -> set[int]:
 
 
 def command(workdir: str, data_dir: str, cache: str) -> list[str]:
+    """The run as a user types it; tests/conftest.py:tiny_command builds the same for the
+    tests, but this script is run on its own, without the tests on its path."""
     return [
         sys.executable,
         "-m",

@@ -5,6 +5,8 @@ at import time of the first module pytest loads.
 """
 
 import os
+import subprocess
+import sys
 import tempfile
 
 # The CPU matmul peak for MFU is measured once and cached (trainer/hardware.py):
@@ -21,6 +23,9 @@ import pytest  # noqa: E402
 from configs import transformer_1024  # noqa: E402
 from trainer.data.options import DataOptions  # noqa: E402
 
+# The checkout under test: commands run from it and import it.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
@@ -35,6 +40,67 @@ def tiny_translation(data_dir: str, **overrides):
     config.data.data_dir = data_dir
     config.update_from_flattened_dict(overrides)
     return config
+
+
+def tiny_flags(workdir, data_dir: str, **overrides) -> list[str]:
+    """:func:`tiny_translation` as command-line flags, which ``python -m trainer`` takes
+    and ``launch.local`` passes on after ``--``; each override is a ``--config.KEY=VALUE``."""
+    return [
+        "--config=configs/transformer_1024.py:tiny",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        *(f"--config.{key}={value}" for key, value in overrides.items()),
+    ]
+
+
+def tiny_command(workdir, data_dir: str, **overrides) -> list[str]:
+    """``python -m trainer`` with :func:`tiny_flags` on 8 CPU devices, as a user types it
+    (run it from :data:`REPO` with :func:`command_env`)."""
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--cpu_devices=8",
+        *tiny_flags(workdir, data_dir, **overrides),
+    ]
+
+
+def command_env(**variables: str) -> dict[str, str]:
+    """The environment of a ``python -m ...`` command: this one's with :data:`REPO`
+    importable and ``variables`` set, but neither this process's device count
+    (XLA_FLAGS; a command sets its own with ``--cpu_devices``) nor an injected fault
+    (WUS_FAULT, trainer/faults.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WUS_FAULT")}
+    return {**env, "PYTHONPATH": REPO, **variables}
+
+
+def run_command(
+    command: list[str], *, timeout: float = 300, stdin: str | None = None, **variables: str
+) -> subprocess.CompletedProcess:
+    """Runs ``command`` to the end from :data:`REPO` in :func:`command_env`
+    (``variables`` set), ``stdin`` as its input; its output captured as text."""
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=command_env(**variables),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_command(command: list[str]) -> subprocess.Popen:
+    """Starts ``command`` from :data:`REPO` in :func:`command_env`, its stdout and
+    stderr merged into one text pipe for the test to read as the run goes."""
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulate=1):

@@ -4,21 +4,17 @@ import glob
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_translation
+from conftest import start_command, tiny_command, tiny_translation
 
 from trainer import checkpoint as checkpoint_lib
 from trainer import experiment
 from trainer import step as step_lib
 from trainer import train as train_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(data_dir, **overrides):
@@ -154,33 +150,20 @@ def test_corrupted_checkpoint_is_moved_aside(data_dir, saved_run, tmp_path, caps
     assert checkpoint_lib.Checkpointer(workdir, keep=3).steps() == []
 
 
-def _start(workdir, data_dir, *overrides):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--config",
-            "configs/transformer_1024.py:tiny",
-            "--workdir",
-            workdir,
-            "--cpu_devices",
-            "8",
-            f"--config.data.data_dir={data_dir}",
-            "--config.num_train_steps=100000",
-            "--config.steps_per_loop=5",
-            "--config.log_every_steps=5",
-            "--config.eval_every_steps=0",
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def _start(workdir, data_dir, **overrides):
+    """A run from the command line that goes on until stopped; its output read as it comes."""
+    command = tiny_command(
+        workdir,
+        data_dir,
+        **{
+            "num_train_steps": 100000,
+            "steps_per_loop": 5,
+            "log_every_steps": 5,
+            "eval_every_steps": 0,
+            **overrides,
+        },
     )
+    return start_command(command)
 
 
 def _wait_for(proc, text, timeout=240):
@@ -198,7 +181,7 @@ def _wait_for(proc, text, timeout=240):
 
 
 def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
-    proc = _start(str(tmp_path), data_dir, "--config.checkpoint_every_steps=0")
+    proc = _start(str(tmp_path), data_dir, checkpoint_every_steps=0)
     _wait_for(proc, "step      10/")
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
@@ -209,7 +192,7 @@ def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
 
 
 def test_sigkill_during_save_leaves_only_complete_checkpoints(data_dir, tmp_path):
-    proc = _start(str(tmp_path), data_dir, "--config.checkpoint_every_steps=5")
+    proc = _start(str(tmp_path), data_dir, checkpoint_every_steps=5)
     _wait_for(proc, "step      10/")
     # Kill while a save is being written after one completed, if one can be caught
     # in the act (on a busy machine the first save may still be in flight here).

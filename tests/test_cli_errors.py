@@ -16,43 +16,37 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config", "configs/transformer_1024.py:tiny", "--cpu_devices", "8"]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)  # the device count comes from --cpu_devices
-    env.pop("WUS_FAULT", None)
-    return env
+from conftest import REPO, command_env, run_command, tiny_command, tiny_flags
 
 
 def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
-    """``name: (command after python -m, text the error line contains)``."""
+    """``name: (command, text the error line contains)``."""
     afile = os.path.join(tmp, "afile")
-    data = f"--config.data.data_dir={os.path.join(tmp, 'tfds')}"
+    data = os.path.join(tmp, "tfds")
 
-    def trainer(name: str, *args: str) -> list[str]:
-        return ["trainer", *TINY, "--workdir", os.path.join(tmp, name), data, *args]
+    def python(*args: str) -> list[str]:
+        return [sys.executable, "-m", *args]
+
+    def trainer(name: str, **overrides) -> list[str]:
+        return tiny_command(os.path.join(tmp, name), data, **overrides)
 
     return {
         "no config file": (
-            ["trainer", "--config", "configs/nope.py", "--workdir", os.path.join(tmp, "w")],
+            python("trainer", "--config", "configs/nope.py", "--workdir", os.path.join(tmp, "w")),
             "--config configs/nope.py: no such file 'configs/nope.py'",
         ),
         "typo in a key": (
-            trainer("typo", "--config.num_train_step=8"),
+            trainer("typo", num_train_step=8),
             "unknown config key 'num_train_step' (from --config.num_train_step=...); "
             "did you mean 'num_train_steps'?",
         ),
-        "empty workdir": (["trainer", *TINY, "--workdir", "", data], "--workdir is empty"),
+        "empty workdir": (tiny_command("", data), "--workdir is empty"),
         "workdir is a file": (
-            ["trainer", *TINY, "--workdir", afile, data],
+            tiny_command(afile, data),
             f"--workdir {afile} is a file, not a directory",
         ),
         "negative cpu_devices": (
-            [
+            python(
                 "trainer",
                 "--config",
                 "configs/transformer_1024.py:tiny",
@@ -60,53 +54,47 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 "-1",
                 "--workdir",
                 os.path.join(tmp, "cpu"),
-            ],
+            ),
             "--cpu_devices must be >= 0",
         ),
         "keep no checkpoint": (
-            trainer("keep", "--config.keep_checkpoints=0"),
+            trainer("keep", keep_checkpoints=0),
             "keep_checkpoints must be >= 1",
         ),
         "more devices than exist": (
-            trainer("mesh", "--config.mesh.num_devices=16"),
+            trainer("mesh", **{"mesh.num_devices": 16}),
             "mesh.num_devices=16 but there are 8 devices",
         ),
         "heads do not divide qkv_dim": (
-            trainer("heads", "--config.model.num_heads=5"),
+            trainer("heads", **{"model.num_heads": 5}),
             "model.qkv_dim=64 must split evenly over model.num_heads=5",
         ),
         "model dtype": (
-            trainer("dtype", "--config.model.dtype=bfloat61"),
+            trainer("dtype", **{"model.dtype": "bfloat61"}),
             "model.dtype='bfloat61' is not a floating-point dtype",
         ),
         "gather dtype": (
-            trainer("gdtype", "--config.optimizer.gather_dtype=int3"),
+            trainer("gdtype", **{"optimizer.gather_dtype": "int3"}),
             "optimizer.gather_dtype='int3' is not a floating-point dtype",
         ),
         "sequences longer than the model": (
-            trainer("maxlen", "--config.data.max_length=128"),
+            trainer("maxlen", **{"data.max_length": 128}),
             "data.max_length=128 is longer than the model's position table, model.max_len=64",
         ),
         "data_dir is a file": (
-            [
-                "trainer",
-                *TINY,
-                "--workdir",
-                os.path.join(tmp, "dd"),
-                f"--config.data.data_dir={afile}",
-            ],
+            tiny_command(os.path.join(tmp, "dd"), afile),
             f"data.data_dir={afile} is a file, not a directory",
         ),
         "launcher without processes": (
-            ["launch.local", "--num_processes", "0", "--", *TINY],
+            python("launch.local", "--num_processes", "0", "--", *tiny_flags(tmp, data)),
             "--num_processes must be >= 1, got 0",
         ),
         "launcher with negative processes": (
-            ["launch.local", "--num_processes", "-2", "--", *TINY],
+            python("launch.local", "--num_processes", "-2", "--", *tiny_flags(tmp, data)),
             "--num_processes must be >= 1, got -2",
         ),
         "bench loop length": (
-            [
+            python(
                 "trainer.bench",
                 "--config",
                 "configs/transformer_1024.py:tiny",
@@ -114,21 +102,10 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 "abc",
                 "--cpu_devices",
                 "8",
-            ],
+            ),
             "--steps_per_loop: expected loop lengths",
         ),
     }
-
-
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", *command],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +115,7 @@ def results(tmp_path_factory):
     open(os.path.join(tmp, "afile"), "w").close()
     cases = _cases(tmp)
     with ThreadPoolExecutor(3) as pool:
-        done = dict(zip(cases, pool.map(_run, [c for c, _ in cases.values()]), strict=True))
+        done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
     return {name: (done[name], cases[name][1]) for name in cases}
 
 
@@ -168,7 +145,7 @@ def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
     os.write(lock, json.dumps(holder).encode())
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-        result = _run(["trainer", *TINY, "--workdir", str(tmp_path)])
+        result = run_command(tiny_command(tmp_path, tmp_path / "tfds"))
     finally:
         os.close(lock)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -209,15 +186,10 @@ def test_launcher_killed_takes_its_processes_along(tmp_path):
             "--cpu_devices",
             "2",
             "--",
-            "--config",
-            "configs/transformer_1024.py:tiny",
-            "--workdir",
-            str(tmp_path),
-            f"--config.data.data_dir={tmp_path / 'tfds'}",
-            "--config.num_train_steps=100000",
+            *tiny_flags(tmp_path, tmp_path / "tfds", num_train_steps=100000),
         ],
         cwd=REPO,
-        env=_env(),
+        env=command_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

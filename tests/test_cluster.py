@@ -11,6 +11,7 @@ import threading
 import jax
 import pytest
 import requests
+from conftest import REPO, command_env
 from jax._src import cloud_tpu_init
 from jax._src.clusters import cloud_tpu_cluster
 from jax._src.clusters import cluster as jax_cluster
@@ -19,7 +20,6 @@ from launch.local import free_port
 from trainer import cluster
 from trainer.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PREFIXES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE")
 
 
@@ -214,8 +214,7 @@ def test_two_slurm_tasks_really_join(nodes, visible):
     """Two real processes under srun's variables (on this machine) start the
     runtime; as one task per node they see all GPUs, as two tasks on one node
     the GPU of their local rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
-    env.pop("XLA_FLAGS", None)
+    env = {k: v for k, v in command_env().items() if not k.startswith(_PREFIXES)}
     env.update(
         SLURM_JOB_ID="77",
         SLURM_STEP_NODELIST="localhost",

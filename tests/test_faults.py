@@ -11,13 +11,12 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
+from conftest import run_command, tiny_command
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # 4 loops of 2 steps, a checkpoint after each
 
 
@@ -28,42 +27,25 @@ def shared(tmp_path_factory):
     return str(root / "tfds"), str(root / "compilation_cache")
 
 
-def run(shared, workdir, fault=None, *overrides, timeout=300):
+def run(shared, workdir, fault=None, *, timeout=300, **overrides):
     """``python -m trainer`` as a user runs it, with ``WUS_FAULT=fault``."""
     data_dir, cache = shared
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    env.pop("WUS_FAULT", None)
-    if fault:
-        env["WUS_FAULT"] = fault
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--config",
-            "configs/transformer_1024.py:tiny",
-            "--workdir",
-            str(workdir),
-            "--cpu_devices",
-            "8",
-            f"--config.data.data_dir={data_dir}",
-            f"--config.compilation_cache_dir={cache}",
-            f"--config.num_train_steps={STEPS}",
-            "--config.steps_per_loop=2",
-            "--config.log_every_steps=2",
-            "--config.eval_every_steps=0",
-            "--config.checkpoint_every_steps=2",
-            "--config.data.num_eval_examples=16",
-            "--config.max_decode_length=8",
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    command = tiny_command(
+        workdir,
+        data_dir,
+        **{
+            "compilation_cache_dir": cache,
+            "num_train_steps": STEPS,
+            "steps_per_loop": 2,
+            "log_every_steps": 2,
+            "eval_every_steps": 0,
+            "checkpoint_every_steps": 2,
+            "data.num_eval_examples": 16,
+            "max_decode_length": 8,
+            **overrides,
+        },
     )
+    return run_command(command, timeout=timeout, **({"WUS_FAULT": fault} if fault else {}))
 
 
 def losses(workdir) -> dict[int, float]:
@@ -182,7 +164,7 @@ def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
     # A resume with another optimizer is refused, by name, and config.json is kept.
     with open(os.path.join(workdir, "config.json")) as f:
         config_json = f.read()
-    result = run(shared, workdir, None, "--config.optimizer.name=sgd")
+    result = run(shared, workdir, **{"optimizer.name": "sgd"})
     out = clean(result)
     assert result.returncode == 1
     assert (
@@ -195,23 +177,8 @@ def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
 
     # trainer.export of the truncated checkpoint: one line, and --out must be new.
     def export(*args):
-        env = dict(os.environ, PYTHONPATH=REPO)
-        env.pop("XLA_FLAGS", None)
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer.export",
-                "--workdir",
-                str(tmp_path / "export_copy"),
-                *args,
-            ],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        copy = str(tmp_path / "export_copy")
+        return run_command([sys.executable, "-m", "trainer.export", "--workdir", copy, *args])
 
     result = export("--out", str(tmp_path / "params"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -15,17 +15,17 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import REPO, run_command, tiny_command, tiny_translation
 from etils import epath
 from tensorboardX.proto import event_pb2
 
-from configs import transformer_1024
 from launch.local import free_port
 from trainer import export as export_lib
 from trainer import storage
 from trainer import train as train_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "gs://test-bucket/run"
+PARAMS = "gs://test-bucket/params"  # the run's export
 OVERRIDES = {
     "steps_per_loop": 4,
     "log_every_steps": 4,
@@ -70,17 +70,9 @@ def gcs(emulator):
     fsspec.config.conf.update(saved_conf)
 
 
-def trainer(module, *args, emulator):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["STORAGE_EMULATOR_HOST"] = emulator
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def succeed(command: list[str], emulator: str) -> str:
+    """The output of ``command``, which must succeed, run against the emulator."""
+    result = run_command(command, timeout=600, STORAGE_EMULATOR_HOST=emulator)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -103,30 +95,17 @@ def tensorboard_scalars(directory: epath.Path, tag: str) -> dict[int, float]:
 def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
     data_dir = str(tmp_path / "tfds")
     # The reference: the same 16 steps without a stop, on a local disk.
-    config = transformer_1024.get_config("tiny")
-    config.data.data_dir = data_dir
-    config.update_from_flattened_dict({**OVERRIDES, "num_train_steps": 16})
-    train_lib.train(config, str(tmp_path / "local"))
+    train_lib.train(
+        tiny_translation(data_dir, **OVERRIDES, num_train_steps=16), str(tmp_path / "local")
+    )
     export_lib.export(str(tmp_path / "local"), str(tmp_path / "local_params"))
     with open(tmp_path / "local" / "metrics.jsonl") as f:
         local_losses = {row["step"]: row["loss"] for row in map(json.loads, f)}
 
-    flags = [
-        "--config",
-        "configs/transformer_1024.py:tiny",
-        "--workdir",
-        RUN,
-        "--cpu_devices",
-        "8",
-        f"--config.data.data_dir={data_dir}",
-        *[f"--config.{key}={value}" for key, value in OVERRIDES.items()],
-    ]
-    trainer("trainer", *flags, "--config.num_train_steps=8", emulator=emulator)
-    out = trainer("trainer", *flags, "--config.num_train_steps=16", emulator=emulator)
+    succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=8), emulator)
+    out = succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=16), emulator)
     assert f"resumed from the checkpoint of step 8 in {RUN}/checkpoints" in out
-    trainer(
-        "trainer.export", "--workdir", RUN, "--out", "gs://test-bucket/params", emulator=emulator
-    )
+    succeed([sys.executable, "-m", "trainer.export", "--workdir", RUN, "--out", PARAMS], emulator)
 
     run = epath.Path(RUN)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +118,7 @@ def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
     # Nothing went to a local directory named after the URL.
     assert not os.path.exists(os.path.join(REPO, "gs:"))
 
-    exported = ocp.StandardCheckpointer().restore("gs://test-bucket/params")
+    exported = ocp.StandardCheckpointer().restore(PARAMS)
     reference = ocp.StandardCheckpointer().restore(str(tmp_path / "local_params"))
     for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(reference), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

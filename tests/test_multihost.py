@@ -9,21 +9,19 @@ import sys
 import time
 
 import pytest
+from conftest import run_command, start_command, tiny_command, tiny_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The input order is global (trainer/data/order.py): process p of n reads block p of
 # every global batch, so the global batches - hence the losses - do not depend on n.
-RUN = [
-    "--config",
-    "configs/transformer_1024.py:tiny",
-    "--config.num_train_steps=24",
-    "--config.steps_per_loop=12",
-    "--config.log_every_steps=12",
-    "--config.eval_every_steps=0",
-    "--config.checkpoint_every_steps=12",
-    "--config.data.num_eval_examples=16",
-    "--config.max_decode_length=4",
-]
+RUN = {
+    "num_train_steps": 24,
+    "steps_per_loop": 12,
+    "log_every_steps": 12,
+    "eval_every_steps": 0,
+    "checkpoint_every_steps": 12,
+    "data.num_eval_examples": 16,
+    "max_decode_length": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +37,7 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
-def launch(workdir, processes, data_dir, *extra, timeout=600):
+def launch(workdir, processes, data_dir, timeout=600):
     cmd = [
         sys.executable,
         "-m",
@@ -53,30 +45,13 @@ def launch(workdir, processes, data_dir, *extra, timeout=600):
         f"--num_processes={processes}",
         "--cpu_devices=8",
         "--",
-        *RUN,
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
-        *extra,
+        *tiny_flags(workdir, data_dir, **RUN),
     ]
-    return subprocess.run(
-        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_command(cmd, timeout=timeout)
 
 
-def single(workdir, data_dir, *extra, timeout=600):
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
-        *RUN,
-        f"--workdir={workdir}",
-        "--cpu_devices=8",
-        f"--config.data.data_dir={data_dir}",
-        *extra,
-    ]
-    return subprocess.run(
-        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+def single(workdir, data_dir, timeout=600):
+    return run_command(tiny_command(workdir, data_dir, **RUN), timeout=timeout)
 
 
 def losses(workdir):
@@ -129,6 +104,8 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir
 
 
 def test_killed_process_stops_the_job(tmp_path):
+    # Synthetic tokens: data_dir is not read.
+    overrides = {**RUN, "num_train_steps": 100000, "data.name": "synthetic"}
     cmd = [
         sys.executable,
         "-m",
@@ -137,16 +114,10 @@ def test_killed_process_stops_the_job(tmp_path):
         "--cpu_devices=8",
         "--grace=10",
         "--",
-        *RUN,
-        f"--workdir={tmp_path}",
-        "--config.num_train_steps=100000",
-        "--config.data.name=synthetic",
-        "--config.log_every_steps=12",
+        *tiny_flags(tmp_path, tmp_path / "tfds", **overrides),
         "--heartbeat_timeout=10",
     ]
-    launcher = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    launcher = start_command(cmd)
     deadline = time.time() + 300
     while time.time() < deadline:
         line = launcher.stdout.readline()

@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import struct
-import subprocess
 import sys
 
 import jax
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import tiny_translation
+from conftest import run_command, tiny_translation
 from etils import epath
 
 from configs import transformer_1024
@@ -26,8 +25,6 @@ from trainer import train as train_lib
 from trainer.data import pipelines
 from trainer.data import translation as data_lib
 from trainer.errors import ConfigError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(data_dir, **overrides):
@@ -63,17 +60,7 @@ def run(data_dir, tmp_path_factory):
 
 
 def cli(module, *args, stdin=None):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-        env=env,
-    )
+    result = run_command([sys.executable, "-m", module, *args], timeout=600, stdin=stdin)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
 
@@ -114,29 +101,12 @@ def test_evaluate_a_checkpoint_on_another_mesh(run):
 
 
 def test_evaluate_errors_are_one_line(run):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
     for args, message in [
         (["--step", "7"], "no checkpoint of step 7"),
         (["--config.eval_bogus=1"], "unknown config key 'eval_bogus'"),
     ]:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer.evaluate",
-                "--workdir",
-                run,
-                "--cpu_devices",
-                "8",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=REPO,
-            env=env,
-        )
+        evaluate = [sys.executable, "-m", "trainer.evaluate", "--workdir", run, "--cpu_devices=8"]
+        result = run_command([*evaluate, *args])
         assert result.returncode != 0
         assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), (
             result.stderr[-2000:]

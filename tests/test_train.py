@@ -2,17 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_translation
+from conftest import run_command, tiny_command, tiny_translation
 
 from trainer import train as train_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(data_dir, **overrides):
@@ -62,46 +58,21 @@ def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
     assert int(states[0].step) == int(states[1].step) == 8
 
 
-def run_cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-    )
-
-
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--config.nonexistent_key=1"], "unknown config key 'nonexistent_key'"),
-        (["--config.optimizer.bogus=1"], "unknown config key 'optimizer.bogus'"),
-        (["--config.global_batch_size=abc"], "--config.global_batch_size=abc"),
-        (["--config.global_batch_size=12"], "global_batch_size=12 is not divisible by the 8"),
-        (["--config.mesh.axes.model=3"], "8 devices are not divisible by the product 3"),
-        (["--config.data.name=wmt14_translate/de-en"], "tfds build wmt14_translate/de-en"),
-        (["--config.log_every_steps=7"], "log_every_steps=7 must be a multiple of steps_per_loop"),
-        (
-            ["--config.optimizer.learning_rate=1e30", "--config.num_train_steps=40"],
-            "loss is nan at step",
-        ),
+        ({"nonexistent_key": 1}, "unknown config key 'nonexistent_key'"),
+        ({"optimizer.bogus": 1}, "unknown config key 'optimizer.bogus'"),
+        ({"global_batch_size": "abc"}, "--config.global_batch_size=abc"),
+        ({"global_batch_size": 12}, "global_batch_size=12 is not divisible by the 8"),
+        ({"mesh.axes.model": 3}, "8 devices are not divisible by the product 3"),
+        ({"data.name": "wmt14_translate/de-en"}, "tfds build wmt14_translate/de-en"),
+        ({"log_every_steps": 7}, "log_every_steps=7 must be a multiple of steps_per_loop"),
+        ({"optimizer.learning_rate": "1e30", "num_train_steps": 40}, "loss is nan at step"),
     ],
 )
 def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
-    result = run_cli(
-        "--config",
-        "configs/transformer_1024.py:tiny",
-        "--workdir",
-        str(tmp_path),
-        "--cpu_devices",
-        "8",
-        f"--config.data.data_dir={data_dir}",
-        *overrides,
-    )
+    result = run_command(tiny_command(tmp_path, data_dir, **overrides))
     assert result.returncode != 0
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr[-2000:]
