@@ -1,5 +1,6 @@
 """What of Orbax's output reaches the user (trainer/orbax_output.py)."""
 
+import asyncio
 import logging
 import os
 import sys
@@ -28,6 +29,39 @@ def test_unraisable_hook_drops_only_orbax_coroutines(monkeypatch):
     assert seen == [other, "not a coroutine"]
     orbax.close()
     other.close()
+
+
+def closed_loop_error() -> RuntimeError:
+    """The error a TensorStore completion meets on Orbax's closed event loop."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(lambda: None)
+    except RuntimeError as e:
+        return e
+    raise AssertionError("a closed loop accepted a callback")
+
+
+def test_closed_loop_callbacks_dropped_from_both_hooks(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(("unraisable", u.exc_value)))
+    monkeypatch.setattr(sys, "excepthook", lambda k, v, tb: seen.append(("except", v)))
+    orbax_output.quiet()
+
+    closed = closed_loop_error()
+    other = RuntimeError("Event loop is closed")  # raised elsewhere: no asyncio frame
+    for error in (closed, other):
+        # TensorStore's threads report through the unraisable hook, without an object.
+        sys.unraisablehook(
+            types.SimpleNamespace(
+                object=None,
+                exc_type=type(error),
+                exc_value=error,
+                exc_traceback=error.__traceback__,
+            )
+        )
+        sys.excepthook(type(error), error, error.__traceback__)
+    assert seen == [("unraisable", other), ("except", other)]
 
 
 def test_orbax_warnings_dropped_only_while_probing():

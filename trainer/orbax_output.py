@@ -4,8 +4,9 @@ Orbax logs the errors of its background threads with tracebacks, and warns
 about every broken file while a checkpoint is probed; the same problems reach
 the run through :class:`trainer.checkpoint.Checkpointer`, which reports each
 once, in one line. So :func:`quiet` drops those records, the tracebacks
-TensorStore prints for writes that end after their save failed, and those of
-Orbax's read coroutines that are collected after a restore failed; and
+TensorStore prints (through either hook) for writes that end after their save
+failed, and those of Orbax's read coroutines that are collected after a restore
+failed; and
 :func:`one_line` and :func:`write_error` make that one line of an Orbax error.
 """
 
@@ -73,39 +74,51 @@ def quiet() -> None:
         sys.unraisablehook = _drop_orbax_coroutines(sys.unraisablehook)
 
 
+def _closed_loop_callback(kind, value, tb) -> bool:
+    """Whether an uncaught error is a TensorStore completion that ended after its
+    save failed: Orbax's event loop is closed by then, so ``call_soon_threadsafe``
+    raises. TensorStore reports each one through ``sys.excepthook`` or, from its
+    own threads, ``sys.unraisablehook`` (without an object, so Python prints a bare
+    traceback). The failure itself reaches the run once (:meth:`Checkpointer.failure`)."""
+    last = tb
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    return (
+        kind is RuntimeError
+        and str(value) == "Event loop is closed"
+        and last is not None
+        and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+    )
+
+
 def _drop_closed_loop_callbacks(hook):
-    """``sys.excepthook`` without the tracebacks of writes that end after their
-    save failed: Orbax's event loop is closed by then, and TensorStore reports
-    each completion's ``call_soon_threadsafe`` failure through the hook. The
-    failure itself reaches the run once (:meth:`Checkpointer.failure`)."""
+    """``sys.excepthook`` without :func:`_closed_loop_callback` tracebacks."""
 
     def excepthook(kind, value, tb):
-        last = tb
-        while last is not None and last.tb_next is not None:
-            last = last.tb_next
-        if (
-            kind is RuntimeError
-            and str(value) == "Event loop is closed"
-            and last is not None
-            and last.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
-        ):
-            return
-        hook(kind, value, tb)
+        if not _closed_loop_callback(kind, value, tb):
+            hook(kind, value, tb)
 
     excepthook.drops_closed_loop_callbacks = True
     return excepthook
 
 
 def _drop_orbax_coroutines(hook):
-    """``sys.unraisablehook`` without Orbax's read coroutines: when one array of a
-    broken checkpoint fails to read, the reads of its other shards fail too and
-    are collected unawaited, each printing "Exception ignored in" with a
-    traceback, at a time that depends on the garbage collector. The failure
-    itself reaches the run once, as the checkpoint being unreadable."""
+    """``sys.unraisablehook`` without Orbax's read coroutines and without
+    :func:`_closed_loop_callback` tracebacks. When one array of a broken checkpoint
+    fails to read, the reads of its other shards fail too and are collected
+    unawaited, each printing "Exception ignored in" with a traceback, at a time
+    that depends on the garbage collector. The failure itself reaches the run
+    once, as the checkpoint being unreadable."""
 
     def unraisablehook(unraisable):
         code = getattr(unraisable.object, "cr_code", None)
         if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+            return
+        if _closed_loop_callback(
+            unraisable.exc_type,
+            getattr(unraisable, "exc_value", None),
+            getattr(unraisable, "exc_traceback", None),
+        ):
             return
         hook(unraisable)
 
