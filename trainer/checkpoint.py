@@ -27,9 +27,7 @@ Faults, and what a run does about them:
 * retention (``keep_checkpoints`` >= 1) deletes old checkpoints only after a
   newer one is complete, so the newest complete checkpoint is never deleted.
 
-Orbax logs the errors of its background threads with tracebacks; they reach
-the run through :meth:`Checkpointer.failure` and :meth:`Checkpointer.wait`,
-which report them as one line, so :mod:`trainer.orbax_output` drops those records.
+What Orbax prints itself about these faults is dropped (:mod:`trainer.orbax_output`).
 
 :class:`Checkpointer` is the only code that knows this layout. Beside it:
 :mod:`trainer.checkpoint_data` (the ``data`` item's handler),
@@ -180,12 +178,8 @@ class Checkpointer:
         return step
 
     def state_metadata(self, step: int) -> dict:
-        """Shapes and dtypes of the saved train state of ``step`` (logical shapes).
-
-        Raises:
-          ValueError: if the step has no state metadata (callers name the checkpoint
-            and what to do instead).
-        """
+        """Shapes and dtypes of the saved train state of ``step`` (logical shapes);
+        ValueError if it has none (callers name the checkpoint and what to do)."""
         metadata = self._manager.item_metadata(step)
         if metadata is None or "state" not in metadata or metadata["state"] is None:
             raise ValueError("its state has no metadata (an empty or cut step directory?)")
