@@ -103,20 +103,23 @@ def start_command(command: list[str]) -> subprocess.Popen:
     )
 
 
+# The 1+1-layer Transformer of the model and step tests (TransformerConfig fields).
+TINY_TRANSFORMER = {
+    "vocab_size": 64,
+    "emb_dim": 32,
+    "num_heads": 2,
+    "qkv_dim": 32,
+    "mlp_dim": 64,
+    "num_encoder_layers": 1,
+    "num_decoder_layers": 1,
+}
+
+
 def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulate=1):
     """A 1+1-layer Transformer on random tokens for exact step comparisons: ``mesh`` is
     data8, data4_model2, group2 (shard_group_size 2) or devices6."""
     config = transformer_1024.get_config("tiny,synthetic")
-    config.model.update(
-        vocab_size=64,
-        emb_dim=32,
-        num_heads=2,
-        qkv_dim=32,
-        mlp_dim=64,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        dtype=dtype,
-    )
+    config.model.update(**TINY_TRANSFORMER, dtype=dtype)
     config.data.update(vocab_size=64, max_length=8)
     config.global_batch_size = 16
     config.num_train_steps = 100

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_TRANSFORMER
 
 from models import decode as decode_lib
 from models.beam_search import beam_search, length_penalty
@@ -66,15 +67,13 @@ def test_length_penalty_decides_between_short_and_long(alpha):
 
 def _tiny_transformer(vocab: int):
     cfg = TransformerConfig(
-        vocab_size=vocab,
-        emb_dim=32,
-        num_heads=2,
-        qkv_dim=32,
-        mlp_dim=64,
-        num_encoder_layers=1,
-        num_decoder_layers=2,
-        max_len=16,
-        dtype=jnp.float32,
+        **{
+            **TINY_TRANSFORMER,
+            "vocab_size": vocab,
+            "num_decoder_layers": 2,
+            "max_len": 16,
+            "dtype": jnp.float32,
+        }
     )
     model = Transformer(cfg)
     ones = jnp.ones((1, 4), jnp.int32)

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_TRANSFORMER
 from jax.sharding import PartitionSpec
 
+from configs import transformer_1024
 from models.decode import greedy_decode
 from models.losses import cross_entropy_and_metrics
 from models.transformer import (
@@ -21,22 +23,12 @@ from models.transformer import (
     train_flops_per_example,
 )
 
-VOCAB = 64
+VOCAB = TINY_TRANSFORMER["vocab_size"]
 PARAM_NAMES = {"vocab", "embed", "mlp", "heads", "kv"}
 
 
 def tiny(**overrides) -> TransformerConfig:
-    kw = dict(
-        vocab_size=VOCAB,
-        emb_dim=32,
-        num_heads=2,
-        qkv_dim=32,
-        mlp_dim=64,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        max_len=32,
-    )
-    return TransformerConfig(**{**kw, **overrides})
+    return TransformerConfig(**{**TINY_TRANSFORMER, "max_len": 32, **overrides})
 
 
 def tokens(seed: int, shape: tuple[int, ...]) -> jax.Array:
@@ -153,15 +145,7 @@ def test_runs_under_mesh_with_logical_rules(f32_model):
     # The trainer's rules: outside a mesh the logical annotations are no-ops, so only here
     # does a wrongly shaped or named annotation fail.
     model, variables, apply = f32_model
-    rules = (
-        ("batch", "data"),
-        ("vocab", "model"),
-        ("embed", None),
-        ("mlp", "model"),
-        ("heads", "model"),
-        ("kv", None),
-        ("length", None),
-    )
+    rules = tuple(transformer_1024.get_config().mesh.rules)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     batch = packed_batch(70)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
