@@ -134,6 +134,13 @@ def test_corrupted_checkpoint_is_moved_aside(data_dir, saved_run, tmp_path, caps
         if os.path.isfile(path) and os.path.getsize(path) > 64:
             with open(path, "r+b") as f:
                 f.truncate(16)
+    # A reader of that one checkpoint (evaluate, translate, export) gets one error naming it.
+    reader = checkpoint_lib.Checkpointer(workdir, keep=3, read_only=True)
+    with pytest.raises(
+        checkpoint_lib.CheckpointError, match=r"checkpoint 20 in .* is unreadable \("
+    ) as e:
+        reader.restore_state_parts(20, {"params": exp.abstract_logical_state().params})
+    assert not isinstance(e.value, checkpoint_lib.CheckpointMismatchError)
     step, _, _ = checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.abstract_logical_state())
     assert step == 10
     err = capsys.readouterr().err

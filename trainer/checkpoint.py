@@ -24,15 +24,13 @@ Faults, and what a run does about them:
   never "unreadable";
 * a background save that fails (a full disk) is found at the next loop
   boundary (:meth:`Checkpointer.failure`) and ends the run with one line;
+* a reader of one checkpoint (evaluate, translate, export) gets one CheckpointError;
 * retention (``keep_checkpoints`` >= 1) deletes old checkpoints only after a
   newer one is complete, so the newest complete checkpoint is never deleted.
 
 What Orbax prints itself about these faults is dropped (:mod:`trainer.orbax_output`).
-
-:class:`Checkpointer` is the only code that knows this layout. Beside it:
-:mod:`trainer.checkpoint_data` (the ``data`` item's handler),
-:mod:`trainer.checkpoint_tree` (a ``state`` item read by shape) and
-:mod:`trainer.checkpoint_leftovers` (removing what an unfinished save left).
+:class:`Checkpointer` is the only code that knows this layout; beside it are
+:mod:`trainer.checkpoint_data`, :mod:`trainer.checkpoint_tree`, :mod:`trainer.checkpoint_leftovers`.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -138,26 +137,16 @@ class Checkpointer:
             return sorted(self._manager.all_steps())
 
     def newest(self, *, listed: bool = True) -> int | None:
-        """The step of the newest complete checkpoint, if any.
-
-        Args:
-          listed: list the directory; False answers from what this process knows
-            (no I/O, for a thread that must not race the main one).
-        """
+        """The step of the newest complete checkpoint, if any; ``listed=False`` answers
+        without I/O, from what this process knows (for a thread not to race the main one)."""
         steps = self.steps() if listed else self._manager.all_steps()
         return max((s for s in steps if s != self.abandoned), default=None)
-
-    def state_directory(self, step: int) -> epath.Path:
-        """Where the ``state`` item of checkpoint ``step`` is (for readers that
-        restore part of it without this class)."""
-        return self.directory / str(step) / "state"
 
     # -- Reading parts of a checkpoint (trainer.evaluate, trainer.translate, init_from) --
 
     @staticmethod
     def exists(workdir: str | epath.PathLike) -> bool:
-        """Whether ``workdir`` is a run directory with a checkpoints folder (without
-        creating one, as constructing a Checkpointer would)."""
+        """Whether ``workdir`` has a checkpoints folder (a Checkpointer would create one)."""
         return (storage.path(workdir) / "checkpoints").is_dir()
 
     def resolve_step(self, step: int | None = None) -> int:
@@ -177,13 +166,28 @@ class Checkpointer:
             )
         return step
 
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """Any failure to read ``step`` (but a mismatch) as one CheckpointError naming it;
+        Orbax's own warnings about the broken parts unsaid."""
+        try:
+            with orbax_output.probing():
+                yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001  (any unreadable part of it)
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} is unreadable ({orbax_output.one_line(e)})"
+            ) from None
+
     def state_metadata(self, step: int) -> dict:
         """Shapes and dtypes of the saved train state of ``step`` (logical shapes);
-        ValueError if it has none (callers name the checkpoint and what to do)."""
-        metadata = self._manager.item_metadata(step)
-        if metadata is None or "state" not in metadata or metadata["state"] is None:
-            raise ValueError("its state has no metadata (an empty or cut step directory?)")
-        return checkpoint_tree.shapes(metadata["state"])
+        CheckpointError if it cannot be read."""
+        with self._reading(step):
+            metadata = self._manager.item_metadata(step)
+            if metadata is None or "state" not in metadata or metadata["state"] is None:
+                raise ValueError("its state has no metadata (an empty or cut step directory?)")
+            return checkpoint_tree.shapes(metadata["state"])
 
     def restore_state_parts(self, step: int, target: dict) -> dict:
         """Reads only some entries of the train state of ``step`` (e.g. ``params`` and
@@ -192,6 +196,7 @@ class Checkpointer:
 
         Raises:
           CheckpointMismatchError: naming the first leaf whose shape differs.
+          CheckpointError: if it cannot be read.
         """
         saved = {k: v for k, v in self.state_metadata(step).items() if k in target}
         mismatch = checkpoint_tree.first_mismatch(target, saved)
@@ -199,7 +204,8 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {step} in {self.directory} does not fit this config: {mismatch[1]}"
             )
-        return checkpoint_tree.restore_tree(self.state_directory(step), target)
+        with self._reading(step):
+            return checkpoint_tree.restore_tree(self.directory / str(step) / "state", target)
 
     def save(self, step: int, logical_state, data_state, config: ml_collections.ConfigDict):
         """Starts saving (returns before the write finishes if async).
@@ -247,33 +253,28 @@ class Checkpointer:
             raise SaveFailedError(self._failure) from None
         self._pending = None
 
-    def remove_temporary(self, step: int | None) -> None:
+    def remove_temporary(self, step: int | None, *, after_exit: bool = False) -> None:
         """Removes what a save of ``step`` left unfinished (process 0; None: nothing).
 
         Writer threads of a failed or abandoned save may still add files (and
-        directories) meanwhile: removes until they stop for a moment
-        (:func:`trainer.checkpoint_leftovers.remove_until_quiet`). A later run
-        removes any leftover (``cleanup_tmp_directories``).
+        directories): removes until they stop for a moment, or with ``after_exit``
+        (an abandoned save) once this process has exited and they died with it; see
+        :mod:`trainer.checkpoint_leftovers`. A later run removes any leftover
+        (``cleanup_tmp_directories``).
         """
         if step is None or jax.process_index() != 0 or self._read_only:
             return
-        checkpoint_leftovers.remove_until_quiet(self.directory, f"{step}.orbax-checkpoint-tmp*")
-
-    def remove_temporary_after_exit(self, step: int | None) -> None:
-        """Removes what an abandoned save of ``step`` left, once this process has
-        exited (process 0; None: nothing): its writer threads die with the
-        process, and until then may re-create what is removed
-        (:func:`trainer.checkpoint_leftovers.remove_after_exit`). In an object
-        store, one pass now; the next run removes the rest (``cleanup_tmp_directories``).
-        """
-        if step is None or jax.process_index() != 0 or self._read_only:
-            return
-        checkpoint_leftovers.remove_after_exit(self.directory, f"{step}.orbax-checkpoint-tmp*")
+        remove = (
+            checkpoint_leftovers.remove_after_exit
+            if after_exit
+            else checkpoint_leftovers.remove_until_quiet
+        )
+        remove(self.directory, f"{step}.orbax-checkpoint-tmp*")
 
     def abandon(self) -> int | None:
         """Gives up the save in flight without waiting (a peer died, or Ctrl-C
         twice); returns its step. The caller removes its temporary directory
-        (:meth:`remove_temporary`) once nothing more is to be printed: its
+        (:meth:`remove_temporary` after exit) once nothing more is to be printed: its
         writer threads then fail, and print tracebacks on their way out."""
         step, self._pending = self._pending, None
         if step is None or (self.directory / str(step)).exists():  # it had completed

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from trainer import cli, orbax_output, storage
+from trainer import cli, storage
 from trainer.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
@@ -47,17 +47,15 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "flo
     step = checkpoints.resolve_step(step)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     try:
-        with orbax_output.probing():  # Orbax's warnings about the broken parts, unsaid
-            saved = checkpoints.state_metadata(step)["params"]
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved
-            )
-            restored = checkpoints.restore_state_parts(step, {"params": target})
-    except Exception as e:  # noqa: BLE001  (any unreadable part of it)
+        saved = checkpoints.state_metadata(step)["params"]
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved
+        )
+        restored = checkpoints.restore_state_parts(step, {"params": target})
+    except checkpoint_lib.CheckpointError as e:
         others = [s for s in checkpoints.steps() if s != step]
         raise checkpoint_lib.CheckpointError(
-            f"checkpoint {step} in {checkpoints.directory} is unreadable "
-            f"({orbax_output.one_line(e)}); export another with --step (there are {others})"
+            f"{e}; export another with --step (there are {others})"
         ) from None
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), restored["params"])
     saver = ocp.StandardCheckpointer()

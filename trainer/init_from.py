@@ -49,12 +49,7 @@ def _open(source: str):
     if checkpoint_lib.Checkpointer.exists(source):
         checkpointer = checkpoint_lib.Checkpointer(source, keep=1 << 30)
         step = checkpointer.resolve_step()
-        try:
-            saved = checkpointer.state_metadata(step)["params"]
-        except ValueError as e:
-            raise checkpoint_lib.CheckpointError(
-                f"init_from={source}: checkpoint {step} is unreadable ({e})"
-            ) from None
+        saved = checkpointer.state_metadata(step)["params"]
 
         def read(target):
             return checkpointer.restore_state_parts(step, {"params": target})["params"]

@@ -180,7 +180,7 @@ class Run:
         signals.silence()  # what follows makes the save's writer threads fail, loudly
         with contextlib.suppress(Exception):
             if self._checkpointer is not None:
-                self._checkpointer.remove_temporary_after_exit(self._checkpointer.abandoned)
+                self._checkpointer.remove_temporary(self._checkpointer.abandoned, after_exit=True)
             if self._lead:
                 self._lock.release()
         os._exit(1)
@@ -204,6 +204,6 @@ class Run:
     def _after_stop_now(self) -> None:
         # The save's writer threads run until the exit: remove what they added since.
         if self._checkpointer is not None:
-            self._checkpointer.remove_temporary_after_exit(self._checkpointer.abandoned)
+            self._checkpointer.remove_temporary(self._checkpointer.abandoned, after_exit=True)
         if self._lead:
             self._lock.release()

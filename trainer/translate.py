@@ -73,7 +73,7 @@ def translate(
 
     Raises:
       ConfigError: not a translation run, more than one process, bad sizes.
-      CheckpointError: no such checkpoint.
+      CheckpointError: no such checkpoint, or it cannot be read.
     """
     import flax.linen as nn  # noqa: PLC0415
     import jax  # noqa: PLC0415
