@@ -1,7 +1,10 @@
-"""Test set-up: every test sees 8 simulated CPU devices.
+"""Test set-up: every test sees 8 simulated CPU devices, and every compile of the
+suite goes through one persistent compilation cache.
 
-The flag must be set before JAX initialises its backends, so it lives here,
-at import time of the first module pytest loads.
+The flags must be set before JAX initialises its backends, so they live here, at
+import time of the first module pytest loads. Many tests compile the same tiny run
+(in this process, in the other xdist worker, in the commands they start): the cache
+(JAX's own, keyed by the program) compiles each once.
 """
 
 import os
@@ -16,6 +19,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Read by JAX at import, here and in every command a test starts (they inherit it).
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache", "jax")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import ml_collections  # noqa: E402  (the flags above must be set before anything can import JAX)
 import pytest  # noqa: E402
@@ -44,7 +52,9 @@ def tiny_translation(data_dir: str, **overrides):
 
 def tiny_flags(workdir, data_dir: str, **overrides) -> list[str]:
     """:func:`tiny_translation` as command-line flags, which ``python -m trainer`` takes
-    and ``launch.local`` passes on after ``--``; each override is a ``--config.KEY=VALUE``."""
+    and ``launch.local`` passes on after ``--``; each override is a ``--config.KEY=VALUE``.
+    The run compiles through the suite's cache unless ``compilation_cache_dir`` is given."""
+    overrides.setdefault("compilation_cache_dir", COMPILATION_CACHE)
     return [
         "--config=configs/transformer_1024.py:tiny",
         f"--workdir={workdir}",

@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 
 from configs import transformer_1024
 from trainer.analysis import compiled as compiled_lib
@@ -21,7 +22,6 @@ from trainer.analysis import costmodel, hlo
 from trainer.runtime.errors import ConfigError
 from trainer.training import experiment
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGY = "v3:2x2"
 
 

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import run_command, start_command, tiny_command
+from conftest import COMPILATION_CACHE, run_command, start_command, tiny_command
 
 STEPS = 8  # 4 loops of 2 steps, a checkpoint after each
 
@@ -26,7 +26,7 @@ STEPS = 8  # 4 loops of 2 steps, a checkpoint after each
 def shared(tmp_path_factory):
     """The data directory and a compilation cache shared by every run here."""
     root = tmp_path_factory.mktemp("faults")
-    return str(root / "tfds"), str(root / "compilation_cache")
+    return str(root / "tfds"), COMPILATION_CACHE
 
 
 def command(shared, workdir, **overrides) -> list[str]:

@@ -394,3 +394,4 @@ def test_wandb_offline_resumes_the_same_run(run):
                     logged[row["_step"]] = row["loss"]
     want = {row["step"]: row["loss"] for row in read_jsonl(workdir / "metrics.jsonl")}
     assert logged == want and sorted(want) == [10, 20, 30, 40]
+

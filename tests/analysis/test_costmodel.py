@@ -13,7 +13,7 @@ from trainer.analysis.hlo import Collective
 from trainer.parallel import hardware
 
 V3 = hardware.ACCELERATORS["v3"]
-DATA = pathlib.Path(__file__).parent / "data"
+LIBTPU = pathlib.Path(__file__).parent / "libtpu"
 
 
 def test_device_kinds_map_to_their_generation():
@@ -120,9 +120,9 @@ def test_replica_group_forms():
 
 
 def _libtpu_programs(name: str) -> dict[str, list[str]]:
-    """``tests/data/<name>``: ``{program: [its HLO lines]}``."""
+    """``tests/analysis/libtpu/<name>``: ``{program: [its HLO lines]}``."""
     programs: dict[str, list[str]] = {}
-    with open(DATA / name) as f:
+    with open(LIBTPU / name) as f:
         for line in f:
             if line.startswith("## "):
                 current = programs.setdefault(line[3:].strip(), [])
@@ -135,7 +135,7 @@ def test_libtpu_mesh_form_groups_equal_its_iota_form():
     """The same 15 programs compiled by libtpu twice: its default mesh form of the
     replica groups (with device_ids and sub-axes) and the iota form it prints with
     rgv3 off must decode to the same groups, member order included."""
-    programs = _libtpu_programs("libtpu_replica_groups.txt")
+    programs = _libtpu_programs("replica_groups.txt")
     assert len(programs) == 15
     for name, (mesh_form, iota_form) in programs.items():
         assert "replica_groups=mesh[" in mesh_form and "<=[" in iota_form, name
@@ -152,8 +152,7 @@ def test_libtpu_mesh_form_groups_equal_its_iota_form():
 
 def test_libtpu_algorithms_are_read():
     found = {
-        name: hlo.Algorithm.of(line)
-        for name, (line,) in _libtpu_programs("libtpu_algorithms.txt").items()
+        name: hlo.Algorithm.of(line) for name, (line,) in _libtpu_programs("algorithms.txt").items()
     }
     expect = {
         "v3:4x4 reduce-scatter over rows of 8": (

@@ -26,6 +26,7 @@ from trainer.training import train as train_lib
 
 RUN = "gs://test-bucket/run"
 PARAMS = "gs://test-bucket/params"  # the run's export
+RUN_CACHE = {"compilation_cache_dir": f"{RUN}/compilation_cache"}  # in the bucket: tested
 OVERRIDES = {
     "steps_per_loop": 4,
     "log_every_steps": 4,
@@ -102,8 +103,10 @@ def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
     with open(tmp_path / "local" / "metrics.jsonl") as f:
         local_losses = {row["step"]: row["loss"] for row in map(json.loads, f)}
 
-    succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=8), emulator)
-    out = succeed(tiny_command(RUN, data_dir, **OVERRIDES, num_train_steps=16), emulator)
+    succeed(tiny_command(RUN, data_dir, **OVERRIDES, **RUN_CACHE, num_train_steps=8), emulator)
+    out = succeed(
+        tiny_command(RUN, data_dir, **OVERRIDES, **RUN_CACHE, num_train_steps=16), emulator
+    )
     assert f"resumed from the checkpoint of step 8 in {RUN}/checkpoints" in out
     succeed([sys.executable, "-m", "trainer.export", "--workdir", RUN, "--out", PARAMS], emulator)
 
