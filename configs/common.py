@@ -31,9 +31,11 @@ def base_config() -> ml_collections.ConfigDict:
     # is taken over; local directories need no timeout (the OS drops a dead run's lock).
     config.workdir_lock_timeout_s = 60.0
     # Peak FLOP/s of one device for MFU. 0 = from the device kind (trainer/parallel/hardware.py:
-    # published bf16 peaks of TPU v2-v6e, A100/H100/H200; on CPU this machine's f32
-    # matmul peak, measured once and cached in ~/.cache/wus-trainer/cpu_peak.json).
+    # published bf16 peaks of TPU v2-v6e, A100/H100/H200); a CPU has none, so no MFU.
     config.peak_flops_per_device = 0.0
+    # On CPU, measure this machine's f32 matmul peak at the run's start and report MFU
+    # against it (labelled so: it moves with the machine's load).
+    config.measure_cpu_peak = False
     # JAX's persistent compilation cache: a restarted run loads its compiled steps
     # instead of compiling them again. A path or URL (gs://...); None =
     # <workdir>/compilation_cache; "" = no cache.

@@ -23,6 +23,12 @@ import ml_collections
 
 from configs import common
 
+# The variants after ``:`` on the command line, combinable with commas.
+VARIANTS = {
+    "tiny": "a small NeuMF on the embedded implicit-feedback data",
+    "local_20m": "MovieLens-20M-sized ratings generated locally (for trainer.data.bench)",
+}
+
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
@@ -69,7 +75,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         ("mlp", None),
         ("logit", None),
     )
-    parts = common.variant_parts(variant, ("tiny", "local_20m"))
+    parts = common.variant_parts(variant, VARIANTS)
     if "tiny" in parts:
         config.global_batch_size = 1024
         config.num_train_steps = 400

@@ -12,11 +12,13 @@ import ml_collections
 
 from configs import common, resnet50_16
 
+VARIANTS = resnet50_16.VARIANTS
+
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     config = resnet50_16.get_config(variant)
-    if "tiny" in common.variant_parts(variant, ("tiny", "local_jpeg")):
+    if "tiny" in common.variant_parts(variant, VARIANTS):
         config.model.bn_group_size = 2
         return config
     config.global_batch_size = 32_768

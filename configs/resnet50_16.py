@@ -31,6 +31,13 @@ from configs import common
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
+# The variants after ``:`` on the command line, combinable with commas.
+VARIANTS = {
+    "tiny": "a tiny ResNet on the embedded synthetic images",
+    "local_jpeg": "ImageNet-size JPEGs generated locally (for trainer.data.bench)",
+}
+
+
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     config = common.base_config()
@@ -83,7 +90,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         ("conv_w", None),
         ("classes", None),
     )
-    parts = common.variant_parts(variant, ("tiny", "local_jpeg"))
+    parts = common.variant_parts(variant, VARIANTS)
     if "tiny" in parts:
         config.model.size = "tiny"
         config.model.num_classes = 10

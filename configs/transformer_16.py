@@ -21,11 +21,13 @@ import ml_collections
 
 from configs import common, transformer_1024
 
+VARIANTS = transformer_1024.VARIANTS
+
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     config = transformer_1024.get_config(variant)
-    parts = common.variant_parts(variant, ("tiny", "base", "synthetic", "update_heavy"))
+    parts = common.variant_parts(variant, VARIANTS)
     if not {"tiny", "update_heavy"} & parts:
         config.global_batch_size = 512
     return config

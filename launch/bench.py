@@ -55,10 +55,20 @@ def run(processes: int, cpu_devices: int, trainer_args: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--processes", default="1,2,4")
-    parser.add_argument("--cpu_devices", type=int, default=8)
-    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="example: python -m launch.bench --processes 1,2 -- --config "
+        "configs/transformer_1024.py:tiny --config.num_train_steps=40",
+    )
+    parser.add_argument(
+        "--processes", default="1,2,4", help="process counts to time (default %(default)s)"
+    )
+    parser.add_argument(
+        "--cpu_devices", type=int, default=8, help="CPU devices of each job (default %(default)s)"
+    )
+    parser.add_argument(
+        "trainer_args", nargs=argparse.REMAINDER, help="after --: the flags of python -m trainer"
+    )
     args = parser.parse_args()
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
     results = [run(int(p), args.cpu_devices, trainer_args) for p in args.processes.split(",")]

@@ -121,10 +121,21 @@ def serve(host: str, port: int, bucket: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9023)
-    parser.add_argument("--bucket", default="demo-bucket", help="bucket to create")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="example: python -m launch.gcs_emulator --port 9023 --bucket demo-bucket, then "
+        "STORAGE_EMULATOR_HOST=http://127.0.0.1:9023 python -m trainer ... --workdir "
+        "gs://demo-bucket/run",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=9023, help="port to serve on (default %(default)s)"
+    )
+    parser.add_argument(
+        "--bucket", default="demo-bucket", help="bucket to create (default %(default)s)"
+    )
     args = parser.parse_args()
     try:
         emulator = serve(args.host, args.port, args.bucket)

@@ -152,17 +152,18 @@ def launch(
 
 def _supervise(procs: list[subprocess.Popen], forwarded: list[int], grace_s: float) -> int:
     """Waits for the processes; stops the rest when one fails. Returns the exit code."""
-    failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-        for i, p in enumerate(procs):
-            if p.poll() not in (None, 0) and not forwarded:
-                failed = (i, p.returncode)
-                break
+
+    def failures() -> list[tuple[int, int]]:
+        return [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+
+    while any(p.poll() is None for p in procs) and not (failures() and not forwarded):
         time.sleep(0.2)
-    if failed is None:
+    if not failures() or forwarded:
         codes = [p.wait() for p in procs]
         return next((c if c > 0 else 128 - c for c in codes if c), 0)
-    index, code = failed
+    # The cause: a process killed by a signal, whose peers then fail on the lost
+    # connection (possibly before this loop looks), else the first that failed.
+    index, code = min(failures(), key=lambda failure: (failure[1] >= 0, failure[0]))
     print(
         f"[launch] process {index} exited with code {code}; stopping the others",
         file=sys.stderr,
@@ -188,11 +189,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main() -> None:
-    parser = _Parser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num_processes", type=int, required=True)
-    parser.add_argument("--cpu_devices", type=int, default=8, help="devices in all")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds before SIGKILL")
-    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --")
+    parser = _Parser(
+        description=__doc__.split("\n")[0],
+        epilog="example: python -m launch.local --num_processes 2 --cpu_devices 8 -- "
+        "--config configs/transformer_1024.py:tiny --workdir /tmp/demo2",
+    )
+    parser.add_argument(
+        "--num_processes", type=int, required=True, help="trainer processes to start (the job's)"
+    )
+    parser.add_argument(
+        "--cpu_devices",
+        type=int,
+        default=8,
+        help="CPU devices of the whole job, split evenly over the processes (default 8)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the processes get to save and stop after a SIGTERM or Ctrl-C, or "
+        "after this launcher dies, before they are killed (default 30)",
+    )
+    parser.add_argument(
+        "trainer_args",
+        nargs=argparse.REMAINDER,
+        help="after --: the flags of python -m trainer for every process",
+    )
     args = parser.parse_args()
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
     sys.exit(

@@ -51,8 +51,9 @@ def _run(
     first_step, compile_s, lines = None, float("nan"), []
     for line in proc.stdout:
         lines.append(line)
-        if match := re.search(r"compiled a loop of \d+ steps in ([\d.]+)s", line):
-            compile_s = float(match.group(1))
+        # The trainer's line "compiling a loop of K steps: compiled in 1m02s" (or 6.4s).
+        if match := re.search(r"steps: compiled in (?:(\d+)m)?([\d.]+)s", line):
+            compile_s = 60 * int(match.group(1) or 0) + float(match.group(2))
         if first_step is None and line.startswith("step "):
             first_step = time.perf_counter() - start
             if measure_only:
@@ -65,10 +66,20 @@ def _run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps before the restart")
-    parser.add_argument("--repeats", type=int, default=3, help="restarts of each kind")
-    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="example: python -m launch.restart_bench --steps 4 -- --config "
+        "configs/transformer_1024.py:tiny --cpu_devices 8",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=4, help="steps before the restart (default %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="restarts of each kind (default %(default)s)"
+    )
+    parser.add_argument(
+        "trainer_args", nargs=argparse.REMAINDER, help="after --: the flags of python -m trainer"
+    )
     args = parser.parse_args()
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
     root = tempfile.mkdtemp(prefix="restart_bench_")

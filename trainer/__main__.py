@@ -1,14 +1,24 @@
-"""``python -m trainer --config configs/<name>.py[:variant] --workdir DIR``.
+"""``python -m trainer --config FILE.py[:VARIANT] --workdir DIR [--config.KEY=VALUE ...]``.
 
-Parses flags, sets up the JAX runtime and hands over to :func:`trainer.training.train.train`.
-Mistakes in the input end in one line on stderr and a non-zero exit. SIGTERM
-and Ctrl-C are handled from the first moment (:mod:`trainer.runtime.signals`): the run
-saves and stops (exit 0 after SIGTERM, 130 after Ctrl-C); Ctrl-C twice stops now.
+Trains the config's model in DIR: metrics.jsonl, TensorBoard events, checkpoints
+and, at the end, summary.json. Run it again with the same DIR to resume from the
+newest checkpoint. ``--config.a.b=value`` overrides one key of the config, and
+``python -m trainer --list-configs`` lists the configs and their variants.
+
+SIGTERM and Ctrl-C save and stop the run (exit 0 after SIGTERM, 130 after
+Ctrl-C); Ctrl-C twice stops at once. Mistakes in the input end in one line on
+stderr and a non-zero exit.
+
+Example:
+python -m trainer --config configs/transformer_1024.py:tiny --workdir /tmp/demo --cpu_devices 8
 """
 
 from __future__ import annotations
 
 import sys
+import time
+
+_STARTED = time.time()  # the summary's start-up time counts from here
 
 if __name__ == "__main__":
     try:  # a Ctrl-C in the instant before the handling is in place
@@ -21,7 +31,7 @@ if __name__ == "__main__":
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from trainer.runtime import cli, process, signals, storage  # noqa: E402
+from trainer.runtime import cli, console, process, signals, storage  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
@@ -36,6 +46,7 @@ _COORDINATOR = flags.DEFINE_string(
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.DEFINE_bool("list_configs", False, "List the configs, their variants and exit.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds after which a silent process is taken for dead."
 )
@@ -51,26 +62,31 @@ def main(argv: list[str]) -> None:
         process_id=_PROCESS_ID.value,
         heartbeat_timeout_s=_HEARTBEAT.value,
     )
+    config = _CONFIG.value
+    (source,) = cli.config_files(sys.argv)[-1:]
+    console.say(f"workdir {_WORKDIR.value}")
+    console.say(cli.describe_config(config, source))
+
     import jax  # noqa: PLC0415  (after setup, like everything that uses devices)
 
     from trainer.training import train  # noqa: PLC0415  (imports JAX, Flax, Orbax: seconds)
 
-    config = _CONFIG.value
-    lead = jax.process_index() == 0
     with cli.clear_errors():
         directory = storage.workdir(_WORKDIR.value)
         cache = process.use_compilation_cache(config.compilation_cache_dir, directory)
-        if cache is not None and lead:
-            print(f"compilation cache: {cache}", flush=True)
+        if cache is not None:
+            console.say(f"compilation cache: {cache}")
         if config.optimizer.update_sharding == "auto":
             from trainer.analysis import compiled  # noqa: PLC0415  (only when asked: compiles)
 
-            log = print if lead else lambda *_: None
-            config, _, _ = compiled.choose_update_sharding(config, jax.devices(), log)
-        train.train(config, _WORKDIR.value, stop=signals.install())
+            config, _, _ = compiled.choose_update_sharding(config, jax.devices(), console.say)
+        train.train(config, _WORKDIR.value, stop=signals.install(), started=_STARTED)
     if signals.install().first == "SIGINT":
         sys.exit(signals.EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
+    if any(arg in cli.LIST_CONFIGS for arg in sys.argv[1:]):
+        sys.stdout.write(cli.list_configs())
+        sys.exit(0)
     process.run(main)

@@ -20,7 +20,11 @@ this host does not have (libtpu's compiler runs on CPU: ``pip install -e
 
 Nothing is allocated and no dataset is read (:mod:`trainer.analysis.compiled`).
 The trainer's ``--config.x=y`` overrides apply; ``--modes auto`` shows the
-candidates ``optimizer.update_sharding=auto`` weighs and the one it picks.
+candidates ``optimizer.update_sharding=auto`` weighs and the one it picks. A
+2048-core compile of Transformer-big takes minutes and about 6 GiB.
+
+Example:
+python -m trainer.aot --config configs/transformer_16.py:synthetic --topology v3:4x4
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer.parallel.plan import MODES
-from trainer.runtime import cli, process
+from trainer.runtime import cli, console, process
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _TOPOLOGY = flags.DEFINE_string(
@@ -133,12 +137,23 @@ def main(argv: list[str]) -> None:
         cli.fail(f"--modes: {', '.join(map(repr, unknown))} not one of {', '.join(known)}")
     with cli.clear_errors():
         devices = compiled_lib.topology_devices(_TOPOLOGY.value)
+        where = f"{len(devices)} {devices[0].device_kind} devices ({_TOPOLOGY.value})"
         for mode in _MODES.value:
             if mode == "auto":
-                print("update_sharding=auto candidates:")
-                _, _, results["auto"] = compiled_lib.choose_update_sharding(config, devices)
-            else:
+                console.say("update_sharding=auto candidates:")
+                _, _, results["auto"] = compiled_lib.choose_update_sharding(
+                    config, devices, console.say
+                )
+                continue
+            with console.phase(f"{mode}: compiling for {where}", done="compiled"):
                 results[mode] = compiled_lib.analyze(config, devices, mode, keep_hlo=True)
+            r = results[mode]
+            estimate = r["est_step_time_s"]["by_assumption"]["compiler"]["no_overlap"]
+            console.say(
+                f"{mode}: HBM/core {_gib(r['hbm_bytes_per_core']):.3f} GiB "
+                f"({'fits' if r['fits'] else 'does not fit'}), est. step {estimate * 1e3:.2f} ms "
+                f"(compiler-literal)"
+            )
     if _HLO.value:
         os.makedirs(_HLO.value, exist_ok=True)
         for mode, r in results.items():

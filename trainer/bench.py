@@ -11,7 +11,11 @@ partitioning), and the per-parameter sharding plan. Takes the trainer's
 ``--steps_per_loop 1,8`` times several loop lengths in the same run;
 ``--measure_peak`` measures this machine's matmul peak for MFU; ``--plot FILE.png``
 draws step time, per-device state and temp bytes, and collective bytes by kind
-of every mode side by side.
+of every mode side by side. Each mode says one line as soon as it is timed; the
+details, the sharding plan (a column per mode) and the ratios follow.
+
+Example:
+python -m trainer.bench --config configs/transformer_1024.py:tiny --cpu_devices 8 --plan=false
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer.parallel.hardware import measure_matmul_peak
-from trainer.runtime import cli, process
+from trainer.runtime import cli, console, process
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _MODES = flags.DEFINE_list("modes", ["none", "fsdp", "wus"], "Update-sharding modes to time.")
@@ -49,37 +53,47 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def mode_line(mode: str, r: dict) -> str:
+    """One line of a mode's figures, said as soon as the mode is timed."""
+    parts = [f"step {r['step_time_s'] * 1e3:.2f} ms (K={r['steps_per_loop']})"]
+    parts += [
+        f"K={k}: {f['examples_per_sec']:,.1f} examples/s"
+        + (f", MFU {f['mfu']:.2%}" if f["mfu"] == f["mfu"] else "")
+        for k, f in r["by_steps_per_loop"].items()
+    ]
+    parts += [
+        f"state/device {_mib(r['state_bytes_per_device'])}",
+        f"temp/device {_mib(r['temp_bytes'])}",
+        f"collectives {_mib(sum(r['collective_bytes'].values()))}/step/device",
+    ]
+    if "checkpoint" in r:
+        c = r["checkpoint"]
+        parts.append(
+            f"save blocks async {c['async_blocking_s']:.3f}s, sync {c['sync_blocking_s']:.3f}s"
+        )
+    return f"{mode}: " + "; ".join(parts)
+
+
 def report(results: dict, peak: float, measured: bool) -> None:
-    """Prints one table per mode, then the ratios against ``none``."""
+    """Prints the details of every mode, the sharding plan once (a column per
+    mode) and the ratios against ``none``."""
     for mode, r in results.items():
         print(f"\n== {mode} ==")
-        step_ms, k = r["step_time_s"] * 1e3, r["steps_per_loop"]
-        print(f"  step time (median)        {step_ms:10.2f} ms  (K={k})")
-        for k, f in r["by_steps_per_loop"].items():
-            print(f"  K={k:<4} examples/s {f['examples_per_sec']:12.1f}   MFU {f['mfu']:.2%}")
-        print(f"  weights + opt state/device {_mib(r['state_bytes_per_device']):>14}")
         print(f"  argument bytes/device      {_mib(r['argument_bytes']):>14}")
-        print(f"  temp bytes/device          {_mib(r['temp_bytes']):>14}")
         for kind, n in sorted(r["collective_bytes"].items()):
             print(f"  collective {kind:<22} {_mib(n):>14} per step per device")
         if "checkpoint" in r:
             c = r["checkpoint"]
-            a, s = c["async_blocking_s"], c["sync_blocking_s"]
-            print(
-                f"  checkpoint save blocks     async {a:.3f}s vs sync {s:.3f}s (x{a / s:.2f}); "
-                f"on disk {_mib(c['disk_bytes'])} for {_mib(c['state_bytes'])} of state"
-            )
+            on_disk, state = _mib(c["disk_bytes"]), _mib(c["state_bytes"])
+            print(f"  checkpoint on disk {on_disk} for {state} of state")
         print(f"  {r['groups']}")
-        if _PLAN.value:
-            print("  sharding plan:")
-            for name, shape, layout in r["plan"]:
-                print(f"    {name:<48} {shape:<18} {layout}")
-    source = (
-        "measured matmul"
-        if measured
-        else "config, or the device kind's (trainer/parallel/hardware.py)"
-    )
-    print(f"\npeak FLOP/s for MFU: {peak:.3e} ({source})")
+    if _PLAN.value:
+        print(plan_table(results))
+    if peak:
+        source = (
+            "measured at this run's start" if measured else "the device kind's, or the config's"
+        )
+        print(f"\npeak FLOP/s for MFU: {peak:.3e} ({source})")
     if "none" in results:
         base = results["none"]
         for mode, r in results.items():
@@ -92,6 +106,24 @@ def report(results: dict, peak: float, measured: bool) -> None:
                 f"state/device x{state:.3f}, "
                 f"collective bytes x{sum(r['collective_bytes'].values()) / base_coll:.2f}"
             )
+
+
+def plan_table(results: dict) -> str:
+    """The per-parameter sharding plan: one row per parameter, one layout column per mode."""
+    modes = list(results)
+    rows = {}
+    for mode in modes:
+        for name, shape, layout in results[mode]["plan"]:
+            rows.setdefault((name, shape), {})[mode] = layout
+    width = max((len(name) for name, _ in rows), default=10)
+    lines = [
+        "\nsharding plan:",
+        f"  {'parameter':<{width}} {'shape':<18} " + " ".join(f"{m:<20}" for m in modes),
+    ]
+    for (name, shape), layouts in rows.items():
+        cells = " ".join(f"{layouts.get(m, '-'):<20}" for m in modes)
+        lines.append(f"  {name:<{width}} {shape:<18} {cells}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
@@ -110,22 +142,20 @@ def main(argv: list[str]) -> None:
     from trainer.parallel import hardware  # noqa: PLC0415  (after setup)
 
     with cli.clear_errors():
-        peak = (
-            measure_matmul_peak(config.model.get("dtype", "float32"))
-            if _MEASURE_PEAK.value
-            else jax.device_count()
-            * hardware.peak_flops_per_device(
-                jax.devices(),
-                config.peak_flops_per_device,
-                cache_dir=hardware.default_cache_dir(),
+        if _MEASURE_PEAK.value:
+            with console.phase("measuring this machine's matmul peak"):
+                peak = measure_matmul_peak(config.model.get("dtype", "float32"))
+        else:
+            peak = jax.device_count() * hardware.peak_flops_per_device(
+                jax.devices(), config.peak_flops_per_device
             )
-        )
-        results = {
-            mode: benchmark.bench_mode(
-                config, mode, loop_lengths, _LOOPS.value, peak, _CHECKPOINT_DIR.value
-            )
-            for mode in _MODES.value
-        }
+        results = {}
+        for mode in _MODES.value:
+            with console.phase(f"{mode}: building, compiling and timing", done="timed"):
+                results[mode] = benchmark.bench_mode(
+                    config, mode, loop_lengths, _LOOPS.value, peak, _CHECKPOINT_DIR.value
+                )
+            console.say(mode_line(mode, results[mode]))
     report(results, peak, _MEASURE_PEAK.value)
     if _JSON.value:
         with open(_JSON.value, "w") as f:

@@ -6,7 +6,11 @@ default), on whatever devices and mesh this process has, prints one line and
 appends ``{"step": S, "eval/...": ..., "overrides": {...}}`` to ``DIR/eval.jsonl``.
 The config is the run's (``DIR/config.json``); ``--config.x=y`` overrides it as
 for the trainer, e.g. ``--config.eval_beam_size=4`` or ``--config.mesh.axes.model=2``.
-Only the parameters (and model state) are read, not the optimizer state.
+Only the parameters (and model state) are read, not the optimizer state. The
+metrics also go to TensorBoard, as the run ``evaluate`` inside DIR.
+
+Example:
+python -m trainer.evaluate --workdir /tmp/demo --config.eval_beam_size=4
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devi
 
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
-    process.setup(cpu_devices=_CPU_DEVICES.value)
+    # stdout is the result line's; what it is doing goes to stderr.
+    process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
     import jax  # noqa: PLC0415  (after setup)
 
     from trainer.training import evaluation  # noqa: PLC0415  (imports JAX, Flax, Orbax)
@@ -38,7 +43,7 @@ def main(argv: list[str]) -> None:
         sys.stdout.flush()
         overrides = run_config.overrides(_WORKDIR.value, config)
         try:
-            evaluation.append_result(_WORKDIR.value, step, metrics, overrides)
+            evaluation.record_result(_WORKDIR.value, step, metrics, overrides)
         except OSError as e:
             errors.warn(
                 f"could not record the result in {_WORKDIR.value}/eval.jsonl "

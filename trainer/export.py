@@ -1,7 +1,11 @@
 """``python -m trainer.export --workdir DIR [--step S] --out PATH [--dtype bfloat16]``.
 
 Writes only the model parameters of a training checkpoint, in their logical
-shapes, as a plain Orbax checkpoint (:mod:`trainer.checkpoint.export`).
+shapes, as a plain Orbax checkpoint (:mod:`trainer.checkpoint.export`). Another
+run starts from them with ``--config.init_from=PATH``.
+
+Example:
+python -m trainer.export --workdir /tmp/demo --out /tmp/demo_params --dtype bfloat16
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 One figure of the runs in the given directories, overlaid and named: training
 loss and every eval metric against steps (:func:`trainer.analysis.figures.plot_runs`).
 Needs matplotlib (``pip install -e '.[plot]'``).
+
+Example:
+python -m trainer.plot /tmp/demo --out /tmp/demo/metrics.png
 """
 
 from __future__ import annotations

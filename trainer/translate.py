@@ -11,7 +11,13 @@ compile time, sentences per second) goes to stderr.
 
 Sentences are sorted by length and decoded ``--batch_size`` at a time, split over
 the data-parallel devices, their length padded to a power of two (one compiled
-program per length).
+program per length). Progress goes to stderr.
+
+Sentences to try it on: the run's eval split, one source a line, written by
+python -m trainer.data.prepare --config configs/transformer_1024.py:tiny --eval_text sentences.txt
+
+Example:
+python -m trainer.translate --workdir /tmp/demo --beam_size 4 < sentences.txt > out.txt
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devi
 
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
-    process.setup(cpu_devices=_CPU_DEVICES.value)
+    # stdout is the translations'; what it is doing goes to stderr.
+    process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
     from trainer.training import decoding  # noqa: PLC0415  (imports JAX, Flax, Orbax)
 
     config = run_config.config_value()

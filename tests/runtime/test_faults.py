@@ -95,6 +95,7 @@ def reference(shared, tmp_path_factory):
     return expected
 
 
+@pytest.mark.slow
 def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference, tmp_path):
     workdir = str(tmp_path)
     # kill -9 while compiling: nothing saved.
@@ -167,6 +168,7 @@ def test_nonfinite_weights_are_never_saved(shared, tmp_path):
     assert steps(workdir) == []
 
 
+@pytest.mark.slow
 def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
     shared, reference, tmp_path
 ):

@@ -24,6 +24,8 @@ from trainer.checkpoint import export as export_lib
 from trainer.runtime import storage
 from trainer.training import train as train_lib
 
+pytestmark = pytest.mark.slow  # trains, resumes and exports through an emulated bucket
+
 RUN = "gs://test-bucket/run"
 PARAMS = "gs://test-bucket/params"  # the run's export
 RUN_CACHE = {"compilation_cache_dir": f"{RUN}/compilation_cache"}  # in the bucket: tested
@@ -114,7 +116,7 @@ def test_gs_workdir_trains_resumes_and_exports(emulator, gcs, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8, 12, 16]
     assert {r["step"]: r["loss"] for r in rows} == local_losses
-    assert tensorboard_scalars(run, "loss") == pytest.approx(local_losses, rel=1e-6)
+    assert tensorboard_scalars(run, "train/loss") == pytest.approx(local_losses, rel=1e-6)
     assert json.loads((run / "config.json").read_text())["num_train_steps"] == 16
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [8, 12, 16]
     assert list((run / "compilation_cache").iterdir())

@@ -11,6 +11,8 @@ import time
 import pytest
 from conftest import run_command, start_command, tiny_command, tiny_flags
 
+pytestmark = pytest.mark.slow  # several processes per test: minutes
+
 # The input order is global (trainer/data/order.py): process p of n reads block p of
 # every global batch, so the global batches - hence the losses - do not depend on n.
 RUN = {

@@ -103,6 +103,13 @@ def test_evaluate_a_checkpoint_on_another_mesh(run):
     assert abs(row["eval/bleu"] - logged["eval/bleu"]) < 5
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("step 20 | ") and "eval/bleu" in line
+    # The result is in TensorBoard too: the run "evaluate" inside the run's directory.
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(os.path.join(run, "evaluate"))
+    events.Reload()
+    (point,) = events.Scalars("eval/bleu")
+    assert point.step == 20 and point.value == pytest.approx(row["eval/bleu"])
 
 
 def test_evaluate_errors_are_one_line(run):
@@ -390,8 +397,54 @@ def test_wandb_offline_resumes_the_same_run(run):
                     i.key or "/".join(i.nested_key): json.loads(i.value_json)
                     for i in record.history.item
                 }
-                if "loss" in row:  # (W&B also records rows of its own)
-                    logged[row["_step"]] = row["loss"]
+                if "train/loss" in row:  # (W&B also records rows of its own)
+                    logged[row["_step"]] = row["train/loss"]
     want = {row["step"]: row["loss"] for row in read_jsonl(workdir / "metrics.jsonl")}
     assert logged == want and sorted(want) == [10, 20, 30, 40]
 
+
+def test_summary_of_the_resumed_run(run):
+    summary = json.loads((epath.Path(run) / "summary.json").read_text())
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    evals = [r for r in rows if "eval/loss" in r]
+    assert (summary["first_step"], summary["last_step"], summary["steps_trained"]) == (20, 40, 20)
+    assert summary["final_eval"] == evals[-1] and summary["final_eval"]["step"] == 40
+    best_loss = min(evals, key=lambda r: r["eval/loss"])
+    best_bleu = max(evals, key=lambda r: r["eval/bleu"])
+    assert summary["best_eval"]["eval/loss"] == {
+        "value": best_loss["eval/loss"],
+        "step": best_loss["step"],
+    }
+    assert summary["best_eval"]["eval/bleu"]["value"] == best_bleu["eval/bleu"]
+    assert summary["newest_checkpoint"] == os.path.join(run, "checkpoints", "40")
+    wall = summary["wall_time_s"]
+    assert wall["total"] >= wall["compile"] + wall["train"] + wall["eval"] > 0
+    assert {"metrics.jsonl", "config.json", "checkpoints", "summary.json"} <= set(summary["files"])
+    assert f"python -m trainer.evaluate --workdir {run}" in summary["commands"]
+    assert summary["steps_per_sec"] == pytest.approx(20 / wall["train"])
+    assert not any("mfu" in row for row in rows)  # a CPU has no known peak: no MFU
+
+
+def test_tensorboard_reads_train_and_eval_scalars_and_the_config(run):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = event_accumulator.EventAccumulator(run)
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train/loss", "train/learning_rate", "eval/loss", "eval/bleu"} <= set(scalars)
+    assert "loss" not in scalars  # every training scalar is under train/
+    want = {row["step"]: row["loss"] for row in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    got = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert got == pytest.approx(want)
+    # The config as hparams, the way the HParams dashboard reads them.
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/session_start_info"]
+    ).session_start_info
+    assert start.hparams["num_train_steps"].number_value == 40
+    assert start.hparams["model.name"].string_value == "transformer"
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]
+    ).experiment
+    assert {"train/loss", "eval/bleu"} <= {m.name.tag for m in experiment.metric_infos}

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from conftest import run_command, tiny_command, tiny_translation
 
+from trainer.parallel import hardware
 from trainer.reporting import metrics as metrics_lib
 from trainer.runtime.errors import ConfigError
+from trainer.training import experiment
 from trainer.training import train as train_lib
 
 
@@ -24,10 +26,14 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_tiny_run_learns_and_reports(data_dir, tmp_path):
+def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
     config = tiny(
         data_dir, num_train_steps=120, steps_per_loop=20, log_every_steps=20, eval_every_steps=120
     )
+    # MFU on CPU only when asked, against a peak measured at the run's start (a fixed
+    # figure here, so that the test can check the arithmetic).
+    config.measure_cpu_peak = True
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype: 8e11)
     train_lib.train(config, str(tmp_path))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [20, 40, 60, 80, 100, 120]
@@ -35,6 +41,11 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path):
     assert last < 0.7 * first, (first, last)
     for key in ("learning_rate", "examples_per_sec", "tokens_per_sec", "mfu", "steps_per_sec"):
         assert rows[-1][key] > 0, key
+    flops = experiment.build_model(config, with_data=False).task.flops_per_example
+    assert rows[-1]["mfu"] == pytest.approx(flops * rows[-1]["examples_per_sec"] / 8e11)
+    assert "MFU is against 100.0 GFLOP/s per device, this CPU's f32 matmul peak measured" in (
+        capsys.readouterr().out
+    )
     final = rows[-1]
     assert final["eval/loss"] < first
     assert 0.0 < final["eval/accuracy"] <= 1.0

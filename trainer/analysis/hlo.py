@@ -23,6 +23,7 @@ import tempfile
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -146,7 +147,22 @@ class Collective:
 
 
 def compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
-    """Compiles ``lowered`` and returns it with its post-SPMD-partitioning HLO text."""
+    """Compiles ``lowered`` and returns it with its post-SPMD-partitioning HLO text.
+
+    The persistent compilation cache is off for this one compile: JAX leaves the
+    dump options out of the cache key, so a hit would compile, and dump, nothing.
+    """
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()  # JAX decides once whether it uses the cache: ask again
+    try:
+        return _compile_with_dump(lowered)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was_on)
+        jax_cache.reset_cache()
+
+
+def _compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
     with tempfile.TemporaryDirectory() as tmp:
         compiled = lowered.compile(
             compiler_options={

@@ -1,4 +1,7 @@
-"""The training input pipeline alone: examples/s per host core, per worker count.
+"""``python -m trainer.data.bench --config C [--workers 0,1,2] [--seconds S] [--json FILE]``.
+
+The training input pipeline alone: examples/s per host core, per worker count.
+For example, ImageNet-size JPEGs generated locally:
 
     python -m trainer.data.bench --config configs/resnet50_16.py:local_jpeg \\
         --workers 0,1,2 --seconds 30 --json /tmp/data_bench.json \\
@@ -15,6 +18,9 @@ Builds only the config's training input (no model, no devices), as process 0 of
     measured one image at a time in this process.
 JSON: {"startup": {...}, "workers": {"0": {"examples_per_s": ..., "per_core": ...}, ...},
 "stages_ms": {...}}. Linux only (/proc).
+
+Example:
+python -m trainer.data.bench --config configs/transformer_1024.py:tiny --workers 0,1 --seconds 5
 """
 
 import json

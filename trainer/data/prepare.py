@@ -1,9 +1,15 @@
-"""``python -m trainer.data.prepare --config C``: everything a run's input needs, ahead.
+"""``python -m trainer.data.prepare --config C [--eval_text FILE]``: a run's input, ahead.
 
 Generates an embedded dataset if missing and opens the run's pipeline once, which
 trains the SentencePiece vocabulary and caches the token lengths of a translation
 dataset (so that the processes of a pod run find them ready). The embedded
-datasets' builders are :mod:`trainer.data.builders`.
+datasets' builders are in trainer/data/builders/. For a translation config,
+``--eval_text FILE`` also writes the eval split's source sentences to FILE, one
+a line, and their reference translations to FILE.ref: input for
+``python -m trainer.translate`` and references to score its output against.
+
+Example:
+python -m trainer.data.prepare --config configs/transformer_1024.py:tiny --eval_text val.txt
 """
 
 import time
@@ -12,9 +18,12 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer import tasks
-from trainer.runtime import cli, process
+from trainer.runtime import cli, console, process, storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
+_EVAL_TEXT = flags.DEFINE_string(
+    "eval_text", None, "Write the eval split's sources here and their references to <this>.ref."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -25,8 +34,17 @@ def main(argv: list[str]) -> None:
     config.data.worker_count = 0
     start = time.perf_counter()
     with cli.clear_errors():
-        tasks.open_data(config)
-    print(f"prepared the input of {config.data.name} in {time.perf_counter() - start:.0f}s")
+        data = tasks.open_data(config)
+        if _EVAL_TEXT.value:
+            if not hasattr(data, "eval_references"):
+                cli.fail(f"--eval_text: {config.data.name} is not a translation dataset")
+            sources, references = data.eval_references()
+            storage.path(_EVAL_TEXT.value).write_text("".join(s + "\n" for s in sources))
+            storage.path(_EVAL_TEXT.value + ".ref").write_text(
+                "".join(r + "\n" for r in references)
+            )
+            console.say(f"wrote {len(sources)} sources to {_EVAL_TEXT.value} (references: .ref)")
+    console.say(f"prepared the input of {config.data.name} in {time.perf_counter() - start:.0f}s")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import sentencepiece as spm
 
-from trainer.runtime import storage
+from trainer.runtime import console, storage
 from trainer.runtime.errors import ConfigError
 
 PAD_ID = 0
@@ -211,7 +211,9 @@ def load_or_train_sentencepiece(
     """
     path = storage.path(vocab_path)
     if not path.exists():
-        model_proto = train_sentencepiece(training_texts(), vocab_size, description=description)
+        # Minutes for WMT (seconds for the embedded data); once per vocabulary file.
+        with console.phase(f"training a {vocab_size}-piece vocabulary on {description}"):
+            model_proto = train_sentencepiece(training_texts(), vocab_size, description=description)
         if storage.is_remote(path):
             # An object appears whole or not at all, and every process trains
             # the same model from the same text: a plain write is enough.

@@ -19,7 +19,6 @@ padding); `*_position` counts tokens from 0 within each example.
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,8 +35,6 @@ from trainer.data.tokenizer import (
     load_or_train_sentencepiece,
 )
 from trainer.runtime.errors import ConfigError
-
-_logger = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
 EvalFunctions = tuple[Callable[[], Iterator[Batch]], Callable[[], tuple[list[str], list[str]]]]
@@ -197,8 +194,6 @@ def _load_vocab(opts: DataOptions, tr: TranslationOptions, vocab_path: str) -> V
         # the vocabulary file is shared by every run that uses this path.
         pairs = source.open_split(opts.name, "train", opts.data_dir)
         num_pairs = min(len(pairs), _VOCAB_TRAIN_PAIRS)
-        message = "Training a %d-piece vocabulary on %d %s pairs -> %s (minutes for WMT)."
-        _logger.warning(message, tr.vocab_size, num_pairs, opts.name, vocab_path)
         # Evenly spaced pairs: a deterministic sample of the whole split.
         for index in np.linspace(0, len(pairs) - 1, num_pairs, dtype=np.int64):
             example = pairs[int(index)]
@@ -206,7 +201,10 @@ def _load_vocab(opts: DataOptions, tr: TranslationOptions, vocab_path: str) -> V
             yield _as_text(example[tr.target_lang])
 
     return load_or_train_sentencepiece(
-        vocab_path, tr.vocab_size, training_texts, description=f"{opts.name} train split"
+        vocab_path,
+        tr.vocab_size,
+        training_texts,
+        description=f"the {opts.name} train split (at most {_VOCAB_TRAIN_PAIRS:,} pairs)",
     )
 
 

@@ -40,8 +40,6 @@ links = 83 GB/s vs 656 Gbit/s = 82 GB/s [CACM20]; v4 1.1 PB/s / 4096 / 6 =
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 
 from trainer.parallel import torus
@@ -144,22 +142,23 @@ def devices_per_chip(devices) -> int:
 _warned: set[str] = set()
 
 
-def peak_flops_per_device(devices, override: float = 0.0, cache_dir: str | None = None) -> float:
+def peak_flops_per_device(devices, override: float = 0.0) -> float:
     """Peak FLOP/s of one of ``devices`` for MFU, or 0.0 when unknown (MFU left out).
 
     Args:
       devices: the run's ``jax.Device`` list (how many share a chip matters).
       override: ``config.peak_flops_per_device``; used as is when > 0.
-      cache_dir: where a CPU's measured matmul peak is cached (see
-        :func:`cpu_peak_flops`); None leaves MFU out on CPU.
 
+    TPUs and GPUs come from the table. A CPU has no published peak to go by: 0.0
+    (a run measures one only when asked, ``config.measure_cpu_peak``, and says
+    so: a figure measured under whatever load the machine had is not a constant).
     An accelerator the table does not know warns once and gives 0.0.
     """
     if override > 0:
         return float(override)
     device = devices[0]
     if device.platform == "cpu":
-        return cpu_peak_flops(cache_dir) if cache_dir else 0.0
+        return 0.0
     row = lookup(device.device_kind)
     if row is None:
         if device.device_kind not in _warned:
@@ -170,38 +169,6 @@ def peak_flops_per_device(devices, override: float = 0.0, cache_dir: str | None 
             )
         return 0.0
     return row.peak_flops(devices_per_chip(devices))
-
-
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/wus-trainer`` (``~/.cache/wus-trainer``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "wus-trainer")
-
-
-def cpu_peak_flops(cache_dir: str) -> float:
-    """This machine's measured f32 matmul FLOP/s per CPU device, measured once.
-
-    The figure is cached in ``cache_dir/cpu_peak.json`` keyed by the CPU model
-    and the number of devices JAX exposes (they share the cores, so the
-    per-device peak depends on it); delete the file to measure again.
-    """
-    import jax  # noqa: PLC0415
-
-    key = f"{_cpu_model()}|{os.cpu_count()} cores|{jax.device_count()} devices"
-    path = os.path.join(cache_dir, "cpu_peak.json")
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = {}
-    if key not in cached:
-        cached[key] = measure_matmul_peak("float32") / jax.device_count()
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=2)
-        os.replace(tmp, path)
-    return float(cached[key])
 
 
 def measure_matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
@@ -222,16 +189,3 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5)
         matmul(x).block_until_ready()
         times.append(time.perf_counter() - start)
     return 2 * n**3 * len(devices) / min(times)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform  # noqa: PLC0415
-
-    return platform.processor() or platform.machine()

@@ -16,30 +16,52 @@ import time
 import numpy as np
 from etils import epath
 from tensorboardX import SummaryWriter, record_writer
+from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2
 
-from trainer.runtime import storage
+from trainer.runtime import console, storage
 from trainer.runtime.errors import ConfigError
 
 # metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
 _REMOTE_FLUSH_SECS = 10.0
 
 
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``'1h02m'``; ``75`` -> ``'1m15s'``."""
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+# The run's config as TensorBoard hparams (MetricWriter.log_config).
+HPARAMS_EVENTS = "events.out.tfevents.0.hparams"
+
+
+def tensorboard_tag(key: str) -> str:
+    """A metric's TensorBoard (and W&B) name: training scalars under ``train/``
+    (``loss`` -> ``train/loss``); ``eval/...`` and ``memory/...`` keep theirs."""
+    return key if "/" in key else f"train/{key}"
+
+
+def flat_hparams(config) -> dict[str, str | float | bool]:
+    """A config as TensorBoard hparams: ``{"optimizer.learning_rate": 0.001, ...}``;
+    values that are not numbers, strings or booleans (tuples, None) as text."""
+    out = {}
+
+    def walk(tree, prefix):
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif isinstance(value, bool | int | float | str):
+                out[name] = value
+            else:
+                out[name] = str(value)
+
+    walk(config.to_dict(), "")
+    return out
 
 
 class MetricWriter:
     """Writes scalars to ``workdir/metrics.jsonl`` and TensorBoard, and prints
     a progress line.
+
+    In TensorBoard, training scalars are under ``train/`` beside ``eval/``
+    (:func:`tensorboard_tag`), and the config is the run's hparams
+    (:meth:`log_config`; the HParams dashboard lists it against the metrics).
 
     Args:
       workdir: run directory (a local path or a URL such as ``gs://b/run``).
@@ -51,9 +73,10 @@ class MetricWriter:
         self._jsonl = None
         self._tb = None
         self._tracker = None
+        self._hparams: dict | None = None  # written with the first eval's metric names
         if not enabled:
             return
-        directory = storage.path(workdir)
+        directory = self._directory = storage.path(workdir)
         self._jsonl = storage.AppendOnlyFile(
             directory / "metrics.jsonl", min_interval_s=_REMOTE_FLUSH_SECS
         )
@@ -65,6 +88,26 @@ class MetricWriter:
         ``close()``, e.g. :class:`trainer.reporting.tracking.WandbRun`); None = nothing."""
         self._tracker = tracker
 
+    def log_config(self, config) -> None:
+        """Records ``config`` as the run's TensorBoard hparams. The HParams plugin
+        needs the metric names with them, so they are written with the first
+        scalars that include an evaluation (or at :meth:`close`)."""
+        if self.enabled:
+            self._hparams = flat_hparams(config)
+
+    def _write_hparams(self, tags) -> None:
+        # TensorBoard keeps the first hparams it reads of a run, and reads its event
+        # files in name order: the config gets a file of its own that sorts first and
+        # that each (re)started run rewrites, so it is always the newest run's.
+        experiment, start, end = tb_summary.hparams(self._hparams, dict.fromkeys(tags, 0.0))
+        out = record_writer.RecordWriter(str(self._directory / HPARAMS_EVENTS))
+        now = time.time()
+        out.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+        for summary in (experiment, start, end):
+            out.write(event_pb2.Event(wall_time=now, summary=summary).SerializeToString())
+        out.close()
+        self._hparams = None
+
     def write(self, step: int, scalars: dict[str, float]) -> None:
         """Appends one JSON object ``{"step": step, **scalars}``, TB scalars, and
         the attached tracker's."""
@@ -73,10 +116,13 @@ class MetricWriter:
         clean = {k: float(v) for k, v in scalars.items()}
         self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
         self._jsonl.flush()
-        for key, value in clean.items():
-            self._tb.add_scalar(key, value, global_step=int(step))
+        tagged = {tensorboard_tag(k): v for k, v in clean.items()}
+        for tag, value in tagged.items():
+            self._tb.add_scalar(tag, value, global_step=int(step))
+        if self._hparams is not None and any(k.startswith("eval/") for k in clean):
+            self._write_hparams(tagged)
         if self._tracker is not None:
-            self._tracker.log(int(step), clean)
+            self._tracker.log(int(step), tagged)
 
     def restart_at(self, step: int) -> None:
         """Tells TensorBoard the run continues from ``step``: it drops the points
@@ -107,7 +153,7 @@ class MetricWriter:
                 f"mem {in_use:.2f} GiB (peak {scalars['memory/peak_bytes_in_use'] / 2**30:.2f})"
             )
         parts += [f"{k} {v:.4g}" for k, v in scalars.items() if k.startswith("eval/")]
-        parts.append(f"ETA {format_duration(eta_s)}")
+        parts.append(f"ETA {console.duration(eta_s) if math.isfinite(eta_s) else '?'}")
         print(" | ".join(parts), flush=True)
 
     def info(self, message: str) -> None:
@@ -120,9 +166,20 @@ class MetricWriter:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
+            if self._hparams is not None:  # no evaluation ran: the training loss only
+                self._write_hparams(["train/loss"])
             self._tb.close()
         if self._tracker is not None:
             self._tracker.close()
+
+
+def write_events(directory: str | os.PathLike, step: int, scalars: dict[str, float]) -> None:
+    """Writes ``scalars`` at ``step`` as TensorBoard events into ``directory`` (a
+    new events file; :func:`tensorboard_tag` names)."""
+    _route_tensorboard_through_epath()
+    with SummaryWriter(logdir=str(directory)) as events:
+        for key, value in scalars.items():
+            events.add_scalar(tensorboard_tag(key), float(value), global_step=int(step))
 
 
 def drop_rows_after(workdir: str | os.PathLike, step: int) -> None:

@@ -11,13 +11,14 @@ Install with ``pip install -e '.[wandb]'``.
 
 from __future__ import annotations
 
+import os
 import secrets
 import string
 
 import ml_collections
 from etils import epath
 
-from trainer.runtime import storage
+from trainer.runtime import console, storage
 from trainer.runtime.errors import ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
@@ -75,4 +76,12 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path) -> WandbRun | 
         config=config.to_dict(),
         settings=wandb.Settings(silent=True),
     )
+    # W&B itself is silenced (its banner would drown the progress lines): say where it went.
+    if run.settings.mode in ("offline", "dryrun"):
+        local = os.path.dirname(run.dir)  # .../wandb/offline-run-<time>-<id>
+        console.say(
+            f"W&B run {run.id} is offline, written to {local}; upload it: wandb sync {local}"
+        )
+    else:
+        console.say(f"W&B run: {run.url}")
     return WandbRun(run)

@@ -11,9 +11,11 @@ import contextlib
 import difflib
 import errno
 import importlib.util
+import inspect
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Iterator
 
 import ml_collections
@@ -51,7 +53,7 @@ def config_overrides(argv: list[str]) -> list[str]:
     return [m.group(1) for a in argv if (m := re.match(r"--config\.([\w.]+)", a))]
 
 
-def _config_files(argv: list[str]) -> list[str]:
+def config_files(argv: list[str]) -> list[str]:
     """The values of ``--config`` (``--config X`` or ``--config=X``)."""
     files = []
     for i, arg in enumerate(argv):
@@ -108,7 +110,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     or an error naming only the last part of the key.
     """
     overrides = config_overrides(argv)
-    for value in _config_files(argv):
+    for value in config_files(argv):
         try:
             config = load_config(value)
         except UserError as e:
@@ -139,3 +141,120 @@ def clear_errors() -> Iterator[None]:
         if e.errno not in _ENVIRONMENT_ERRNOS:
             raise
         fail(f"{e.strerror}: {e.filename or e}", EXIT_ERROR)
+
+
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def help_requested(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for help (before any other flag is checked)."""
+    return any(arg in HELP_FLAGS for arg in argv[1:])
+
+
+def _plain(text: str) -> str:
+    """A docstring as a terminal shows it: no Sphinx roles, no double backticks."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def help_text(module, program: str) -> str:
+    """The help of a command: its docstring (without its ``Example:`` part), its
+    flags with their help and defaults, then the docstring's ``Example:`` part.
+
+    Args:
+      module: the command's module (its docstring, and the flags it defined).
+      program: how the user runs it, e.g. ``python -m trainer.evaluate``.
+    """
+    doc = _plain(inspect.cleandoc(module.__doc__ or program))
+    body, _, example = doc.partition("\nExample:")
+    first, _, rest = body.partition("\n")
+    if first.startswith(program):  # the docstring opens with the usage line
+        usage, body = first.rstrip("."), rest
+    else:
+        usage = f"{program} [flags]"
+    defined = flags.FLAGS.flags_by_module_dict().get(sys.argv[0], [])
+    lines = [f"usage: {usage}", "", body.strip(), ""]
+    if defined:
+        lines.append("flags:")
+        for flag in sorted(defined, key=lambda f: f.name):
+            if flag.default is None:
+                default = " (required)" if _required(flag) else ""
+            elif flag.default == [] or flag.default == "":
+                default = ""
+            else:
+                default = f" (default: {flag.default_as_str.strip(chr(39))})"
+            lines += textwrap.wrap(
+                f"--{flag.name}: {_plain(flag.help)}{default}",
+                width=88,
+                initial_indent="  ",
+                subsequent_indent="      ",
+            )
+        lines.append("")
+    lines.append("--help: show this help and exit.")
+    if example.strip():
+        lines += ["", "example:", *("  " + line for line in example.strip().splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _required(flag: flags.Flag) -> bool:
+    # absl's mark_flag_as_required is a validator with this message, and no attribute.
+    return any("must have a value other than None" in v.message for v in flag.validators)
+
+
+LIST_CONFIGS = ("--list-configs", "--list_configs")
+
+
+def list_configs() -> str:
+    """The configs shipped in ``configs/``: each file, the first line of its
+    docstring, and its variants (``VARIANTS``) with one line each."""
+    import configs  # noqa: PLC0415  (only for the listing: configs import nothing heavy)
+
+    lines = ["configs (python -m trainer --config configs/FILE.py[:VARIANT[,VARIANT]]):"]
+    (directory,) = configs.__path__
+    for name in sorted(os.listdir(directory)):
+        stem = name.removesuffix(".py")
+        if not name.endswith(".py") or stem in ("__init__", "common"):
+            continue
+        module = importlib.import_module(f"configs.{stem}")
+        summary = (module.__doc__ or "").strip().splitlines()[0]
+        lines += ["", f"  configs/{name}", f"      {_plain(summary)}"]
+        lines += [f"      :{v:<14}{text}" for v, text in getattr(module, "VARIANTS", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def describe_config(config: ml_collections.ConfigDict, source: str) -> str:
+    """The config block a run starts with: the keys of ``config`` whose values differ
+    from the defaults of its file (``get_config()`` of ``source``'s path: the
+    variant's changes and the command line's), a few per line."""
+    defaults = _flat(load_config(source.partition(":")[0]).to_dict())
+    changed = [
+        f"{key}={value!r}"
+        for key, value in _flat(config.to_dict()).items()
+        if key not in defaults or defaults[key] != value
+    ]
+    head = f"config {source}: " + (
+        f"{len(changed)} keys differ from the file's defaults" if changed else "the file's defaults"
+    )
+    return "\n".join(
+        [
+            head,
+            *textwrap.wrap(
+                "  ".join(changed),
+                96,
+                initial_indent="  ",
+                subsequent_indent="  ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            ),
+        ]
+    )
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -10,14 +10,16 @@ slow imports and points JAX's compilation cache at the run's
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 from collections.abc import Callable
+from typing import IO
 
 from absl import app, logging
 from etils import epath
 
-from trainer.runtime import cli, errors, orbax_output, storage
+from trainer.runtime import cli, console, errors, orbax_output, storage
 from trainer.runtime.errors import ConfigError
 
 
@@ -28,12 +30,16 @@ def setup(
     num_processes: int | None = None,
     process_id: int | None = None,
     heartbeat_timeout_s: int = 100,
+    console_stream: IO[str] | None = None,
 ) -> None:
     """Sets the process up before the first device or file is touched.
 
     * Library logging: warnings and errors only (TFDS and Orbax INFO lines would
       drown the progress lines), and what Orbax prints about faults the run
-      reports itself goes (:mod:`trainer.runtime.orbax_output`).
+      reports itself goes (:mod:`trainer.runtime.orbax_output`). C++ logs
+      (XLA, libtpu) keep errors only, and TFDS draws no bars of its own: the
+      console (:mod:`trainer.runtime.console`) says what each phase does, on
+      process 0 only.
     * Storage: ``gs://`` through a local emulator if ``STORAGE_EMULATOR_HOST`` says so.
     * JAX: ``cpu_devices`` CPU devices if asked; JAX's multi-controller runtime when
       this is one process of several, with the explicit coordinator flags or
@@ -46,13 +52,22 @@ def setup(
       process_id: this process's index.
       heartbeat_timeout_s: a process silent this long is taken for dead, and
         the others fail instead of waiting forever.
+      console_stream: where the console goes (default stdout; stderr for a
+        command whose stdout is its result).
     """
     if cpu_devices < 0:
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_tfds_errors_only)
+    # Read by XLA's and libtpu's C++ logging when they load (below): errors only,
+    # not "Failed to find host bounds" and other informational lines.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "2")
+    os.environ.setdefault("TPU_MIN_LOG_LEVEL", "2")
     orbax_output.quiet()
     storage.configure()
     import jax  # noqa: PLC0415  (a command's --help and flag mistakes need no JAX)
+    import tensorflow_datasets as tfds  # noqa: PLC0415  (seconds to import)
 
     from trainer.runtime import cluster  # noqa: PLC0415  (imports JAX)
 
@@ -71,6 +86,14 @@ def setup(
         cli.fail(str(e))
     if job is not None:
         cluster.initialize(job, heartbeat_timeout_s=heartbeat_timeout_s)
+    console.setup(enabled=jax.process_index() == 0, stream=console_stream)
+    tfds.disable_progress_bar()
+
+
+def _tfds_errors_only(record) -> bool:
+    # TFDS logs its bookkeeping as warnings ("Variant folder ... has no
+    # dataset_info.json" before every embedded dataset is generated); its errors stay.
+    return record.levelno >= std_logging.ERROR or "tensorflow_datasets" not in record.pathname
 
 
 def use_compilation_cache(setting: str | None, workdir: epath.Path) -> epath.Path | None:
@@ -113,7 +136,15 @@ def use_compilation_cache(setting: str | None, workdir: epath.Path) -> epath.Pat
 def run(main: Callable[[list[str]], None], *, flags_parser=cli.parse_flags) -> None:
     """``absl.app.run(main)`` for a command: one-line errors for its flags, and a
     Ctrl-C (in a command without the trainer's stop handling) ends it with the
-    shell's code 130 and one line, not a traceback."""
+    shell's code 130 and one line, not a traceback. ``--help`` prints the
+    command's help (:func:`trainer.runtime.cli.help_text`) and exits 0 before
+    any other flag is checked."""
+    if cli.help_requested(sys.argv):
+        command = sys.modules["__main__"]
+        spec = getattr(command, "__spec__", None)
+        name = spec.name.removesuffix(".__main__") if spec else os.path.basename(sys.argv[0])
+        sys.stdout.write(cli.help_text(command, f"python -m {name}"))
+        sys.exit(0)
     try:
         app.run(main, flags_parser=flags_parser)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from models import decode as decode_lib
 from models import losses, transformer
 from trainer.data import translation as data_lib
 from trainer.data.tokenizer import EOS_ID
+from trainer.runtime import console
 from trainer.runtime.errors import ConfigError, floating_dtype
 from trainer.tasks.base import Task
 
@@ -139,7 +140,8 @@ def make_task(
 
     def bleu(variables, to_global, to_local) -> dict[str, float]:
         hypotheses = []
-        for batch in data.eval_batches():
+        batches = console.progress(data.eval_batches(), desc="decoding for BLEU", unit="batches")
+        for batch in batches:
             tokens = decoder()(variables["params"], to_global(batch)["inputs"])
             hypotheses += [data.vocab.decode(row) for row in np.asarray(to_local(tokens))]
         _, references = data.eval_references()

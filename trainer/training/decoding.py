@@ -22,6 +22,7 @@ from trainer.data import translation as data_lib
 from trainer.data.tokenizer import EOS_ID
 from trainer.parallel import batches
 from trainer.parallel import mesh as mesh_lib
+from trainer.runtime import console
 from trainer.runtime.errors import ConfigError
 from trainer.tasks import translation as task_lib
 from trainer.training import evaluation
@@ -103,7 +104,8 @@ def translate(
         raise ConfigError(f"--batch_size={batch_size} and --max_length={max_length} must be >= 1")
     model = experiment_lib.build_model(config, with_data=False)
     vocab = data_lib.load_vocab(config.data)
-    step, variables = evaluation.restore_variables(model, workdir, step)
+    with console.phase(f"reading the parameters of {workdir}"):
+        step, variables = evaluation.restore_variables(model, workdir, step)
     params = variables["params"]
     decoder = task_lib.make_decoder(
         model.task.model,
@@ -140,18 +142,20 @@ def translate(
         padded.append((chunk, batch))
 
     with jax.set_mesh(model.mesh), nn.logical_axis_rules(model.rules):
-        start = time.perf_counter()
         compiled = {}
-        for _, batch in padded:
-            if batch.shape not in compiled:
-                shape = jax.ShapeDtypeStruct(batch.shape, jnp.int32, sharding=sharding)
-                compiled[batch.shape] = decoder.lower(params, shape).compile()
-        compile_s = time.perf_counter() - start
+        lengths = sorted({batch.shape for _, batch in padded})
+        with console.phase(f"compiling the decoder for {len(lengths)} lengths") as compiling:
+            for shape in lengths:
+                spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+                compiled[shape] = decoder.lower(params, spec).compile()
         start = time.perf_counter()
         out = [""] * len(sentences)
-        for chunk, batch in padded:
-            tokens = compiled[batch.shape](params, jax.device_put(batch, sharding))
-            for i, row in zip(chunk, np.asarray(tokens), strict=False):
-                out[i] = vocab.decode(row)
+        with console.progress(total=len(todo), desc="translating", unit="sentences") as progress:
+            for chunk, batch in padded:
+                tokens = compiled[batch.shape](params, jax.device_put(batch, sharding))
+                for i, row in zip(chunk, np.asarray(tokens), strict=False):
+                    out[i] = vocab.decode(row)
+                progress.update(len(chunk))
         decode_s = time.perf_counter() - start
+        compile_s = compiling.seconds
     return out, Report(step, len(todo), truncated, compile_s, decode_s, tuple(skipped))

@@ -17,7 +17,8 @@ import jax
 
 from trainer import checkpoint as checkpoint_lib
 from trainer.parallel import batches
-from trainer.runtime import faults, storage
+from trainer.reporting import metrics as metrics_lib
+from trainer.runtime import console, faults, storage
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
 
@@ -39,7 +40,7 @@ def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], dict[str, flo
     def evaluate(variables) -> dict[str, float]:
         with jax.set_mesh(mesh), nn.logical_axis_rules(model.rules):
             totals: dict[str, float] = {}
-            for batch in task.eval_batches():
+            for batch in console.progress(task.eval_batches(), desc="evaluating", unit="batches"):
                 sums = jax.device_get(eval_step(variables, to_global(batch)))
                 for key, value in sums.items():
                     totals[key] = totals.get(key, 0.0) + float(value)
@@ -83,12 +84,21 @@ def evaluate_checkpoint(
       ``(step, {"eval/<metric>": value})``.
     """
     model = experiment_lib.build_model(config)
-    step, variables = restore_variables(model, workdir, step)
+    with console.phase(f"reading the parameters of {workdir}"):
+        step, variables = restore_variables(model, workdir, step)
     return step, make_evaluator(model)(variables)
 
 
-def append_result(workdir: str, step: int, metrics: dict[str, float], overrides: dict) -> None:
-    """Appends ``{"step", "eval/...", "overrides"}`` as one line to ``workdir/eval.jsonl``."""
+# trainer.evaluate's TensorBoard events: a run of their own inside the run's directory,
+# so that an evaluation under other settings (beam 4) never overwrites a training point.
+EVENTS_SUBDIR = "evaluate"
+
+
+def record_result(workdir: str, step: int, metrics: dict[str, float], overrides: dict) -> None:
+    """Appends ``{"step", "eval/...", "overrides"}`` as one line to ``workdir/eval.jsonl``
+    and writes the metrics as TensorBoard events in ``workdir/evaluate/`` (shown by
+    ``tensorboard --logdir workdir`` as the run ``evaluate`` beside the training's)."""
     out = storage.AppendOnlyFile(storage.path(workdir) / "eval.jsonl")
     out.write(json.dumps({"step": step, **metrics, "overrides": overrides}) + "\n")
     out.close()
+    metrics_lib.write_events(storage.path(workdir) / EVENTS_SUBDIR, step, metrics)

@@ -52,6 +52,8 @@ class Run:
         self._checkpointer: checkpoint_lib.Checkpointer | None = None
         self._closers: list[Callable[[], None]] = []
         self._lead = jax.process_index() == 0
+        # The newest complete checkpoint's path, once the run has ended (None: none).
+        self.newest_checkpoint: str | None = None
 
     # -------------------------------------------------------------- start
     def __enter__(self) -> Run:
@@ -142,6 +144,7 @@ class Run:
     def _ending(self, exc: BaseException | None, *, listed: bool = True) -> str:
         newest = self._checkpointer.newest(listed=listed) if self._checkpointer else None
         where = self._checkpointer.directory if self._checkpointer else self.directory
+        self.newest_checkpoint = None if newest is None else str(where / str(newest))
         tail = (
             f"newest complete checkpoint: step {newest} in {where}"
             if newest is not None

@@ -21,8 +21,9 @@ from trainer import checkpoint as checkpoint_lib
 from trainer.data import feed as feed_lib
 from trainer.parallel import batches, hardware
 from trainer.reporting import metrics as metrics_lib
+from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
-from trainer.runtime import errors, faults, signals, storage
+from trainer.runtime import console, errors, faults, signals, storage
 from trainer.runtime.errors import ConfigError, UserError
 from trainer.training import evaluation, init_from, profiling, stopping
 from trainer.training import experiment as experiment_lib
@@ -59,7 +60,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def train(
-    config: ml_collections.ConfigDict, workdir: str, *, stop: signals.Signals | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    stop: signals.Signals | None = None,
+    started: float | None = None,
 ) -> step_lib.TrainState:
     """Trains ``config`` in ``workdir`` and returns the final state.
 
@@ -70,21 +75,39 @@ def train(
       stop: the process's stop requests (:func:`trainer.runtime.signals.install`, as
         ``python -m trainer`` installs them); None: none arrive, and Ctrl-C is
         Python's own KeyboardInterrupt.
+      started: ``time.time()`` when the process started, for the summary's
+        start-up time (default: now).
+
+    At the end (also after a stop request) process 0 says a summary and writes
+    it to ``DIR/summary.json`` (:mod:`trainer.reporting.summary`).
     """
     check_config(config)
     directory = storage.workdir(workdir)
     init_from.check_source(config.init_from, directory)
     lock_timeout_s = config.workdir_lock_timeout_s
+    report = summary_lib.RunReport(directory, started=started)
     with stopping.Run(directory, stop or signals.Signals(), lock_timeout_s=lock_timeout_s) as run:
-        return _train(config, directory, run)
+        state = _train(config, directory, run, report)
+        ended = time.perf_counter()
+    report.add("save", time.perf_counter() - ended)  # the last save, waited for on the way out
+    if jax.process_index() == 0:
+        report.finish(
+            global_batch_size=config.global_batch_size,
+            newest_checkpoint=run.newest_checkpoint,
+            commands=summary_lib.commands(directory),
+        )
+    return state
 
 
 def _train(
-    config: ml_collections.ConfigDict, directory: epath.Path, run: stopping.Run
+    config: ml_collections.ConfigDict,
+    directory: epath.Path,
+    run: stopping.Run,
+    report: summary_lib.RunReport,
 ) -> step_lib.TrainState:
     """The run, inside ``run`` (lock held; every way out goes through it)."""
     lead = jax.process_index() == 0
-    info = functools.partial(print, flush=True) if lead else lambda *_: None
+    info = console.say
     # Checks profile_steps against the loop length before anything is built.
     profiler = profiling.StepProfiler(
         config.profile_steps, steps_per_loop=config.steps_per_loop, workdir=directory, log=info
@@ -95,17 +118,24 @@ def _train(
     mesh, task = exp.mesh, exp.task
     feed = feed_lib.Feed(task.train_data, functools.partial(batches.to_global, mesh, stacked=True))
     run.closes(feed.close)  # data workers stop on every way out
+    devices = jax.devices()
     info(
-        f"model {config.model.name}: {exp.model.num_params:,} parameters; mesh {dict(mesh.shape)}; "
-        f"update sharding '{exp.plan.mode}'"
+        f"model {config.model.name}: {exp.model.num_params:,} parameters; "
+        f"{len(devices)} {devices[0].device_kind} devices in {jax.process_count()} "
+        f"process(es); mesh {dict(mesh.shape)}; update sharding '{exp.plan.mode}'"
     )
 
     # ------------------------------------------------ restore or initialise
     checkpointer = checkpoint_lib.Checkpointer(directory, keep=config.keep_checkpoints)
     run.watch(checkpointer)
-    restored = checkpointer.restore(exp.logical_state, optimizer=config.optimizer.name)
+    if checkpointer.newest() is None:
+        restored = None
+    else:
+        with console.phase(f"reading the checkpoint in {checkpointer.directory}"):
+            restored = checkpointer.restore(exp.logical_state, optimizer=config.optimizer.name)
     if restored is None:
-        state = init_from.initial_state(exp, info)  # exp.init(), or config.init_from
+        with console.phase("initialising the parameters and optimizer state (sharded)"):
+            state = init_from.initial_state(exp, info)  # exp.init(), or config.init_from
     else:
         saved_step, logical, data_state = restored
         state = exp.from_logical(step_lib.TrainState(**logical))
@@ -130,6 +160,7 @@ def _train(
         metrics_lib.drop_rows_after(directory, int(state.step))
     writer = metrics_lib.MetricWriter(directory, enabled=lead)
     run.closes(writer.close)
+    writer.log_config(config)
     if lead:
         writer.attach(tracking.start(config, directory))  # W&B, if wandb.project is set
     if restored is not None or started_over:
@@ -143,11 +174,11 @@ def _train(
     # ------------------------------------------------------- compiled loop
     @functools.cache
     def compiled_loop(k: int):
-        start = time.perf_counter()
-        faults.point("compile")
-        with jax.set_mesh(mesh):
-            out = experiment_lib.compile_loop(exp, k)
-        info(f"compiled a loop of {k} steps in {time.perf_counter() - start:.1f}s")
+        with console.phase(f"compiling a loop of {k} steps", done="compiled") as compiling:
+            faults.point("compile")
+            with jax.set_mesh(mesh):
+                out = experiment_lib.compile_loop(exp, k)
+        report.add("compile", compiling.seconds)
         return out
 
     evaluate_variables = evaluation.make_evaluator(exp.model)
@@ -158,10 +189,7 @@ def _train(
         return evaluate_variables({"params": params, **state.model_state})
 
     # ---------------------------------------------------------- host loop
-    # Peak FLOP/s of one device for MFU; 0 (unknown device) leaves MFU out.
-    peak = hardware.peak_flops_per_device(
-        jax.devices(), config.peak_flops_per_device, cache_dir=hardware.default_cache_dir()
-    )
+    peak = _peak_flops_per_device(config, devices)  # 0: MFU left out
     total, k_max = config.num_train_steps, config.steps_per_loop
     step = int(state.step)
     if restored is not None and step > total:
@@ -175,6 +203,7 @@ def _train(
     window: list[dict] = []
     timer = metrics_lib.Throughput()
     steps_since_lap = 0
+    report.first_step = report.last_step = step
     if step < total and not run.should_stop(None):
         batch, batch_data_state = feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
@@ -185,8 +214,10 @@ def _train(
             break
         k = min(k_max, total - step)
         profiler.at_boundary(step)
+        loop = compiled_loop(k)  # a shorter last loop compiles here (its own phase)
+        loop_started = time.perf_counter()
         with profiler.annotate(step):
-            state, loop_metrics = compiled_loop(k)(state, batch)
+            state, loop_metrics = loop(state, batch)
         faults.point("loop")
         run.trained = True
         # The input position after this loop's batches, for its checkpoint.
@@ -199,8 +230,10 @@ def _train(
         if warning is not None:
             errors.warn(warning)
         step += k
+        report.last_step = step
         steps_since_lap += k
         window.append(loop_metrics)
+        report.add("train", time.perf_counter() - loop_started)
 
         log_now = config.log_every_steps and step % config.log_every_steps == 0
         eval_now = config.eval_every_steps and step % config.eval_every_steps == 0
@@ -221,7 +254,8 @@ def _train(
                     len(stacked["weight"]) / rate, 1e-9
                 )
             if eval_now or step == total:
-                scalars |= evaluate(state)
+                with report.timing("eval"):
+                    scalars |= evaluate(state)
                 timer.lap(0)  # eval time is not training throughput
             writer.write(step, scalars)
             writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9))
@@ -229,12 +263,29 @@ def _train(
         every = config.checkpoint_every_steps
         stop = run.should_stop(step)
         if (every and step % every == 0) or step == total or stop:
-            save(step, state, data_state)
+            with report.timing("save"):  # the blocking part of an async save
+                save(step, state, data_state)
         if stop:
             run.stopped_at = step
             break
     profiler.stop(step)
     return state  # `run` waits for the last save and closes the files
+
+
+def _peak_flops_per_device(config: ml_collections.ConfigDict, devices) -> float:
+    """Peak FLOP/s of one device for MFU: the config's, the device kind's
+    (:func:`trainer.parallel.hardware.peak_flops_per_device`), or on CPU, if
+    ``measure_cpu_peak``, measured now and said; 0.0 leaves MFU out."""
+    peak = hardware.peak_flops_per_device(devices, config.peak_flops_per_device)
+    if peak or devices[0].platform != "cpu" or not config.measure_cpu_peak:
+        return peak
+    with console.phase("measuring this machine's f32 matmul peak for MFU"):
+        peak = hardware.measure_matmul_peak("float32") / len(devices)
+    console.say(
+        f"MFU is against {peak / 1e9:,.1f} GFLOP/s per device, this CPU's f32 matmul peak "
+        "measured just now (it moves with the machine's load)"
+    )
+    return peak
 
 
 def _check_finite(loop_metrics: dict, first_step: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import tempfile
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainer.runtime import storage
+from trainer.runtime import console, storage
 
 
 class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -33,6 +33,14 @@ class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         # checksums file next to the code, so give it directly.
         cls.code_path = epath.Path(sys.modules[cls.__module__].__file__)
         super().__init_subclass__(**kwargs)
+
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." and a closing
+    # line with termcolor: nothing is downloaded here, and prepare_locally says what happens.
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
 
     def features(self) -> tfds.features.FeatureConnector:
         """The dataset's features."""
@@ -68,6 +76,11 @@ def prepare_locally(builder_cls: type[tfds.core.DatasetBuilder], data_dir: str) 
     builder = builder_cls(data_dir=data_dir, file_format="array_record")
     if builder.is_prepared():
         return
+    with console.phase(f"generating the dataset {builder.name} (once) into {data_dir}"):
+        _prepare(builder_cls, builder, data_dir)
+
+
+def _prepare(builder_cls, builder, data_dir: str) -> None:
     if storage.is_remote(data_dir):
         _prepare_remotely(builder_cls, data_dir)
         return

@@ -1,0 +1,144 @@
+"""A run's closing summary: where the time went, how fast it trained, how good it
+got, and what it wrote; printed, and kept as ``DIR/summary.json``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
+from etils import epath
+
+from trainer.runtime import console
+
+# The phases of a run's wall time; "start-up" is what the others leave (imports,
+# the devices, data and model set-up, the checkpoint read).
+PHASES = ("compile", "train", "eval", "save")
+# Eval metrics where lower is better; every other eval metric (BLEU, accuracy,
+# HR@10, NDCG@10) is better higher.
+_LOWER_IS_BETTER = ("loss", "nll", "perplexity", "error")
+
+
+def _lower_is_better(metric: str) -> bool:
+    return any(word in metric for word in _LOWER_IS_BETTER)
+
+
+class RunReport:
+    """Times the phases of one run and, at its end, says and writes the summary.
+
+    Args:
+      directory: the run's work directory.
+      started: ``time.time()`` when the process started (the command's first line).
+    """
+
+    def __init__(self, directory: epath.Path, *, started: float | None = None):
+        self.directory = directory
+        self.started = time.time() if started is None else started
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    @contextlib.contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Adds the wall time of the block to ``phase`` (one of :data:`PHASES`)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Adds ``seconds`` to ``phase``."""
+        self.seconds[phase] += seconds
+
+    def summary(
+        self, *, global_batch_size: int, newest_checkpoint: str | None, commands: list[str]
+    ) -> dict:
+        """The summary as a dict (what ``summary.json`` holds)."""
+        wall = time.time() - self.started
+        steps = (self.last_step or 0) - (self.first_step or 0)
+        train_s = self.seconds["train"]
+        rows = _metric_rows(self.directory)
+        evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        final = evals[-1] if evals else None
+        best = {}
+        for key in sorted({k for r in evals for k in r if k.startswith("eval/")}):
+            pick = min if _lower_is_better(key) else max
+            row = pick((r for r in evals if key in r), key=lambda r, key=key: r[key])
+            best[key] = {"value": row[key], "step": row["step"]}
+        return {
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "steps_trained": steps,
+            "wall_time_s": {
+                "total": wall,
+                "start-up": max(wall - sum(self.seconds.values()), 0.0),
+                **self.seconds,
+            },
+            "steps_per_sec": steps / train_s if train_s else None,
+            "examples_per_sec": steps * global_batch_size / train_s if train_s else None,
+            "final_eval": final,
+            "best_eval": best,
+            "newest_checkpoint": newest_checkpoint,
+            "files": sorted({p.name for p in self.directory.iterdir()} | {"summary.json"}),
+            "commands": commands,
+        }
+
+    def finish(self, **kwargs) -> dict:
+        """Writes ``summary.json``, says the summary (:func:`render`) and returns it;
+        call on process 0 only. Arguments as :meth:`summary`."""
+        out = self.summary(**kwargs)
+        (self.directory / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+        console.say(render(out, self.directory))
+        return out
+
+
+def render(summary: dict, directory: epath.Path) -> str:
+    """The summary as the console shows it."""
+    wall = summary["wall_time_s"]
+    split = ", ".join(f"{phase} {console.duration(wall[phase])}" for phase in ("start-up", *PHASES))
+    lines = [
+        f"summary: steps {summary['first_step']} -> {summary['last_step']} in "
+        f"{console.duration(wall['total'])} ({split})"
+    ]
+    if summary["steps_per_sec"]:
+        lines.append(
+            f"  speed: {summary['steps_per_sec']:.3g} steps/s, "
+            f"{summary['examples_per_sec']:,.0f} examples/s (while training)"
+        )
+    if final := summary["final_eval"]:
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in final.items() if k.startswith("eval/"))
+        lines.append(f"  final eval (step {final['step']}): {metrics}")
+    if best := summary["best_eval"]:
+        lines.append(
+            "  best eval: "
+            + ", ".join(f"{k} {b['value']:.4g} (step {b['step']})" for k, b in best.items())
+        )
+    lines.append(f"  newest checkpoint: {summary['newest_checkpoint'] or 'none'}")
+    lines.append(f"  files in {directory}: {', '.join(summary['files'])}")
+    lines += ["  look at it with:", *(f"    {c}" for c in summary["commands"])]
+    return "\n".join(lines)
+
+
+def _metric_rows(directory: epath.Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` (every step this run directory logged, also
+    before a resume); a line cut by a kill is skipped."""
+    path = directory / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def commands(directory: epath.Path) -> list[str]:
+    """The commands that show a finished run of ``directory``."""
+    where = str(directory)
+    return [
+        f"tensorboard --logdir {where}",
+        f"python -m trainer.plot {where} --out {where}/metrics.png",
+        f"python -m trainer.evaluate --workdir {where}",
+    ]
