@@ -111,19 +111,21 @@ def report(results: dict, peak: float, measured: bool) -> None:
 def plan_table(results: dict) -> str:
     """The per-parameter sharding plan: one row per parameter, one layout column per mode."""
     modes = list(results)
-    rows = {}
+    rows: dict[tuple[str, str], dict[str, str]] = {}
     for mode in modes:
         for name, shape, layout in results[mode]["plan"]:
             rows.setdefault((name, shape), {})[mode] = layout
-    width = max((len(name) for name, _ in rows), default=10)
-    lines = [
-        "\nsharding plan:",
-        f"  {'parameter':<{width}} {'shape':<18} " + " ".join(f"{m:<20}" for m in modes),
-    ]
+    widths = [max([len("parameter")] + [len(name) for name, _ in rows])]
+    widths.append(max([len("shape")] + [len(shape) for _, shape in rows]))
+    widths += [max([len(m)] + [len(r.get(m, "-")) for r in rows.values()]) for m in modes]
+
+    def line(cells) -> str:
+        return "  " + "  ".join(f"{c:<{w}}" for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    out = ["\nsharding plan:", line(["parameter", "shape", *modes])]
     for (name, shape), layouts in rows.items():
-        cells = " ".join(f"{layouts.get(m, '-'):<20}" for m in modes)
-        lines.append(f"  {name:<{width}} {shape:<18} {cells}")
-    return "\n".join(lines)
+        out.append(line([name, shape, *(layouts.get(m, "-") for m in modes)]))
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> None:
