@@ -9,6 +9,7 @@ boundaries, and every way out (finish, SIGTERM, Ctrl-C, errors) handled there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -128,11 +129,15 @@ def _train(
     # ------------------------------------------------ restore or initialise
     checkpointer = checkpoint_lib.Checkpointer(directory, keep=config.keep_checkpoints)
     run.watch(checkpointer)
-    if checkpointer.newest() is None:
-        restored = None
-    else:
-        with console.phase(f"reading the checkpoint in {checkpointer.directory}"):
-            restored = checkpointer.restore(exp.logical_state, optimizer=config.optimizer.name)
+    # Every process restores (it synchronises them); the phase is only said if there is
+    # something to read.
+    reading = checkpointer.newest() is not None
+    with (
+        console.phase(f"reading the checkpoint in {checkpointer.directory}")
+        if reading
+        else contextlib.nullcontext()
+    ):
+        restored = checkpointer.restore(exp.logical_state, optimizer=config.optimizer.name)
     if restored is None:
         with console.phase("initialising the parameters and optimizer state (sharded)"):
             state = init_from.initial_state(exp, info)  # exp.init(), or config.init_from
