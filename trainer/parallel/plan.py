@@ -325,7 +325,7 @@ def _on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
     TPU back end runs a reduce-scatter whose scatter dim has only size-1 dims
     before it as an all-reduce plus a dynamic-slice, while the same tensor
     scattered on its major dim stays a true reduce-scatter (libtpu 0.0.42.1;
-    tests/test_aot.py compiles for a v3 topology and checks).
+    tests/analysis/test_aot.py compiles for a v3 topology and checks).
     """
     lead = x.shape[:dim]
     if not lead or any(d != 1 for d in lead):  # already major, or a strided layout
