@@ -86,7 +86,9 @@ def setup(
         cli.fail(str(e))
     if job is not None:
         cluster.initialize(job, heartbeat_timeout_s=heartbeat_timeout_s)
-    console.setup(enabled=jax.process_index() == 0, stream=console_stream)
+    # Process 0 speaks. Known without jax.process_index(), which would start the
+    # backends (and libtpu's start-up lines) in commands that never use a device.
+    console.setup(enabled=job is None or job.process_id == 0, stream=console_stream)
     tfds.disable_progress_bar()
 
 
