@@ -19,7 +19,7 @@ from tensorboardX import SummaryWriter, record_writer
 from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2
 
-from trainer.runtime import console, storage
+from trainer.runtime import cli, console, storage
 from trainer.runtime.errors import ConfigError
 
 # metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
@@ -39,20 +39,10 @@ def tensorboard_tag(key: str) -> str:
 def flat_hparams(config) -> dict[str, str | float | bool]:
     """A config as TensorBoard hparams: ``{"optimizer.learning_rate": 0.001, ...}``;
     values that are not numbers, strings or booleans (tuples, None) as text."""
-    out = {}
-
-    def walk(tree, prefix):
-        for key, value in tree.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                walk(value, name + ".")
-            elif isinstance(value, bool | int | float | str):
-                out[name] = value
-            else:
-                out[name] = str(value)
-
-    walk(config.to_dict(), "")
-    return out
+    return {
+        key: value if isinstance(value, bool | int | float | str) else str(value)
+        for key, value in cli.flat_config(config).items()
+    }
 
 
 class MetricWriter:

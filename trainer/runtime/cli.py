@@ -226,10 +226,10 @@ def describe_config(config: ml_collections.ConfigDict, source: str) -> str:
     """The config block a run starts with: the keys of ``config`` whose values differ
     from the defaults of its file (``get_config()`` of ``source``'s path: the
     variant's changes and the command line's), a few per line."""
-    defaults = _flat(load_config(source.partition(":")[0]).to_dict())
+    defaults = flat_config(load_config(source.partition(":")[0]))
     changed = [
         f"{key}={value!r}"
-        for key, value in _flat(config.to_dict()).items()
+        for key, value in flat_config(config).items()
         if key not in defaults or defaults[key] != value
     ]
     head = f"config {source}: " + (
@@ -250,11 +250,15 @@ def describe_config(config: ml_collections.ConfigDict, source: str) -> str:
     )
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def flat_config(config: ml_collections.ConfigDict) -> dict:
+    """``{"a.b": value}``: every leaf of ``config`` under its dotted key (the key of
+    ``--config.a.b=value``)."""
+
+    def walk(tree: dict, prefix: str):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(walk(config.to_dict(), ""))

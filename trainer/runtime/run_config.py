@@ -78,18 +78,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def overrides(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """``{"a.b": value}`` where ``config`` differs from the run's own config."""
-    run = load(workdir).to_dict()
-    mine = config.to_dict()
-
-    def flat(tree, prefix=""):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                yield from flat(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    before = dict(flat(run))
-    return {k: v for k, v in flat(mine) if before.get(k) != v}
+    before = cli.flat_config(load(workdir))
+    return {k: v for k, v in cli.flat_config(config).items() if before.get(k) != v}
 
 
 def config_value() -> ml_collections.ConfigDict:
