@@ -59,6 +59,9 @@ def setup(
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_tfds_errors_only)
+    # tensorboardX warns "NaN or Inf found in input tensor" for every such scalar it
+    # writes; the run itself says what is not finite, in one line.
+    std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
     # Read by XLA's and libtpu's C++ logging when they load (below): errors only,
     # not "Failed to find host bounds" and other informational lines.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
