@@ -62,8 +62,9 @@ def setup(
     # tensorboardX warns "NaN or Inf found in input tensor" for every such scalar it
     # writes; the run itself says what is not finite, in one line.
     std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
-    # Read by XLA's and libtpu's C++ logging when they load (below): errors only,
-    # not "Failed to find host bounds" and other informational lines.
+    # Read by XLA's and libtpu's C++ logging when they load (below): errors only.
+    # (libtpu's "Failed to find host bounds" on a host without a TPU comes before its
+    # logging starts: commands that use no device never load it, see console below.)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "2")
     os.environ.setdefault("TPU_MIN_LOG_LEVEL", "2")
