@@ -137,3 +137,123 @@ def test_killed_process_stops_the_job(tmp_path):
         ["pgrep", "-f", f"workdir={tmp_path}"], capture_output=True, text=True
     )
     assert not leftover.stdout.strip(), "a trainer process outlived the launcher"
+
+
+# Preemption: 6 loops of 4 steps, a checkpoint only at the end or when stopped, so the
+# step saved is the step the processes agreed to stop at.
+PREEMPT = {**RUN, "steps_per_loop": 4, "log_every_steps": 4, "checkpoint_every_steps": 0}
+
+
+def preempt_flags(workdir, data_dir):
+    return tiny_flags(workdir, data_dir, **PREEMPT)
+
+
+def launcher_command(workdir, data_dir):
+    return [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--num_processes=2",
+        "--cpu_devices=8",
+        "--",
+        *preempt_flags(workdir, data_dir),
+    ]
+
+
+def wait_for(proc, text, timeout=300):
+    """Reads ``proc``'s merged output until a line contains ``text``; returns what it read."""
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"{text!r} never came:\n" + "".join(seen)[-3000:])
+
+
+def saved_steps(workdir):
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def stopped_by_sigterm(proc, target, workdir, after: int):
+    """Sends SIGTERM to ``target()`` (a pid) once ``proc`` has logged step ``after``;
+    returns the whole output and the step the job saved, after checking that it
+    stopped before the end, cleanly."""
+    head = wait_for(proc, f"step {after:7d}/24")
+    os.kill(target(), signal.SIGTERM)
+    out = head + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    saved = max(saved_steps(workdir))
+    assert after < saved < 24, out[-3000:]
+    assert f"preempted: saved step {saved}; newest complete checkpoint: step {saved}" in out
+    return out, saved
+
+
+@pytest.fixture(scope="module")
+def preempt_reference(tmp_path_factory, data_dir):
+    """The 2-process run's losses, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("preempt_reference")
+    result = run_command(launcher_command(workdir, data_dir), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return losses(workdir)
+
+
+def test_sigterm_to_the_launcher_or_one_process_saves_and_resumes_exactly(
+    preempt_reference, data_dir, tmp_path
+):
+    # SIGTERM to launch.local (as SLURM or Kubernetes sends it): every process stops
+    # at the same loop boundary, saves that step and exits 0.
+    launcher = start_command(launcher_command(tmp_path, data_dir))
+    out, first = stopped_by_sigterm(launcher, lambda: launcher.pid, tmp_path, after=4)
+    assert "[p0] SIGTERM: saving at the end of the current loop" in out
+    assert "[p1] SIGTERM: saving at the end of the current loop" in out
+
+    # SIGTERM to process 1 alone: process 0 learns it at the next boundary, and both stop.
+    def process_1():
+        pids = subprocess.run(
+            ["pgrep", "-f", f"workdir={tmp_path}.*process_id=1"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(pids) == 1, pids
+        return int(pids[0])
+
+    launcher = start_command(launcher_command(tmp_path, data_dir))
+    out, second = stopped_by_sigterm(launcher, process_1, tmp_path, after=first + 4)
+    assert f"resumed from the checkpoint of step {first}" in out
+    assert "[p1] SIGTERM: saving at the end of the current loop" in out
+    assert "[p0] SIGTERM" not in out
+    # The rest of the run: every logged loss equals the uninterrupted run's.
+    result = run_command(launcher_command(tmp_path, data_dir), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert losses(tmp_path) == preempt_reference
+
+
+def test_sigterm_to_a_lone_process_with_a_coordinator_saves_and_resumes_exactly(data_dir, tmp_path):
+    # jax.distributed with one process: the same stop path as a pod's. (Its CPU
+    # collectives differ from a plain process's in the last digits: so does the reference.)
+    from launch.local import free_port
+
+    def command(workdir):
+        return [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--cpu_devices=8",
+            *preempt_flags(workdir, data_dir),
+            f"--coordinator_address=127.0.0.1:{free_port()}",
+            "--num_processes=1",
+            "--process_id=0",
+        ]
+
+    result = run_command(command(tmp_path / "reference"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    proc = start_command(command(tmp_path / "run"))
+    out, _ = stopped_by_sigterm(proc, lambda: proc.pid, tmp_path / "run", after=4)
+    assert "SIGTERM: saving at the end of the current loop" in out
+    result = run_command(command(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(tmp_path / "run") == losses(tmp_path / "reference")

@@ -314,7 +314,3 @@ class Checkpointer(CheckpointReader):
         self.moved_aside.append(step)
         all_processes(True)  # the others wait for the move
         self._manager.reload()
-
-    def reached_preemption(self, step: int) -> bool:
-        """Whether JAX's preemption service asks all hosts to stop at ``step``."""
-        return self._manager.reached_preemption(step)

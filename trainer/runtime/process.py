@@ -89,6 +89,16 @@ def setup(
     except ConfigError as e:
         cli.fail(str(e))
     if job is not None:
+        # JAX's preemption service (on by default) installs a C-level SIGTERM handler
+        # that replaces the command's own (trainer/runtime/signals.py): a SIGTERM then
+        # only sets a flag inside JAX, read by reached_preemption_sync_point(n), whose
+        # sync point (the highest n any process last passed, plus 1) is met only by a
+        # loop that calls it with n, n+1, n+2, ... Orbax's saves call it with their
+        # step too, which moves that counter. The trainer stops every process itself
+        # (stopping.Run.should_stop gathers each process's stop request at every loop
+        # boundary), so the signal stays the command's. The service's only notifier
+        # is that SIGTERM handler: nothing else is lost.
+        jax.config.update("jax_enable_preemption_service", False)
         cluster.initialize(job, heartbeat_timeout_s=heartbeat_timeout_s)
     # Process 0 speaks. Known without jax.process_index(), which would start the
     # backends (and libtpu's start-up lines) in commands that never use a device.

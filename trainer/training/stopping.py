@@ -83,11 +83,13 @@ class Run:
         self._closers.append(close)
 
     # ------------------------------------------------- at loop boundaries
-    def should_stop(self, step: int | None) -> bool:
-        """Whether every process stops here (all must call this at the same step).
+    def should_stop(self) -> bool:
+        """Whether every process stops here (all must call this at the same points).
 
-        A signal on any process, or JAX's preemption notice at ``step``, stops
-        the run (None: before the first step, no notice to ask).
+        A stop request on any process (SIGTERM, Ctrl-C, a dead launcher) stops
+        every process at this boundary: the flags are gathered from all of them,
+        so they agree on the step to save. (JAX's own preemption sync is off in
+        the commands, :func:`trainer.runtime.process.setup` says why.)
 
         Raises:
           SaveFailedError: a background save failed on some process.
@@ -108,10 +110,7 @@ class Run:
                 (self._lock.lost or "another run took over the work directory lock")
                 + "; this run stops without saving"
             )
-        preempted = step is not None and bool(
-            self._checkpointer and self._checkpointer.reached_preemption(step)
-        )
-        return bool(flags[0]) or preempted
+        return bool(flags[0])
 
     # ---------------------------------------------------------------- end
     def __exit__(self, exc_type, exc, tb) -> bool:

@@ -209,12 +209,12 @@ def _train(
     timer = metrics_lib.Throughput()
     steps_since_lap = 0
     report.first_step = report.last_step = step
-    if step < total and not run.should_stop(None):
+    if step < total and not run.should_stop():
         batch, batch_data_state = feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
     timer.lap(0)
     while step < total:
-        if not run.trained and run.should_stop(None):  # asked during start-up or compile
+        if not run.trained and run.should_stop():  # asked during start-up or compile
             run.stopped_at = step
             break
         k = min(k_max, total - step)
@@ -266,7 +266,7 @@ def _train(
             writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9))
 
         every = config.checkpoint_every_steps
-        stop = run.should_stop(step)
+        stop = run.should_stop()
         if (every and step % every == 0) or step == total or stop:
             with report.timing("save"):  # the blocking part of an async save
                 save(step, state, data_state)
