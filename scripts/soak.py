@@ -1,6 +1,6 @@
 """Soak test of stopping and resuming: N runs stopped at random, each resumed.
 
-    python scripts/soak.py --count 30 [--seed 0] [--dir /tmp/soak]
+    python scripts/soak.py --count 30 [--seed 0] [--dir /tmp/soak] [--processes 2]
 
 First one uninterrupted run of the tiny Transformer (the reference). Then, in
 one work directory, runs that are each stopped at random: an external SIGKILL,
@@ -8,10 +8,16 @@ SIGTERM, Ctrl-C or Ctrl-C twice after a random delay, or an injected fault at a
 random pass through a random point (``WUS_FAULT``: compile, loop, mid-save,
 eval; kill, term, int, int2 or a full disk; see trainer/runtime/faults.py). Every run
 resumes what the previous left. After each run the script checks: no traceback,
-at most one ``error:`` line, the exit code the stop implies, only complete
-checkpoints listed, and the newest one the run names is the newest listed. Each
-time a run reaches the last step, its metrics (every row, timing fields aside)
-must equal the reference's; the work directory then starts afresh.
+at most one ``error:`` line per process, the exit code the stop implies, only
+complete checkpoints listed, and the newest one the run names is the newest
+listed. Each time a run reaches the last step, its metrics (every row, timing
+fields aside) must equal the reference's; the work directory then starts afresh.
+
+``--processes 2`` runs every job (the reference too) as 2 processes of 4 CPU
+devices under ``launch.local``; an external SIGKILL or SIGTERM then goes to the
+launcher or to one trainer process at random (Ctrl-C to the launcher, as a
+terminal sends it), and an injected fault happens in every process. A run after a
+killed launcher finds its processes still saving: it must wait for them.
 
 Prints one line per run and a summary; exits 1 if any check failed. The logs of
 every run stay under ``--dir``.
@@ -20,6 +26,7 @@ every run stay under ``--dir``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,11 +52,17 @@ SIGNALS = {
 }
 
 
-def expected_codes(way: str, out: str) -> set[int]:
+def expected_codes(way: str, out: str, target: str) -> set[int]:
     """The exit codes a run stopped ``way`` may give, given what it printed (a
-    fault at a pass the run never reaches, or a signal after the end, does nothing)."""
+    fault at a pass the run never reaches, or a signal after the end, does nothing).
+
+    ``target`` is who got the signal: "trainer" (the one process of a single-process
+    run), "launcher", or "process" (one trainer process under the launcher, or an
+    injected fault in each). The launcher exits with its first failed process's code,
+    1 for one killed by a signal.
+    """
     if way == "kill":
-        return {-9, 0}
+        return {-9, 0} if target in ("trainer", "launcher") else {1, 0}
     if way in ("int", "int2"):
         return {130} if "Ctrl-C" in out else {0}
     if way == "enospc":
@@ -57,21 +70,16 @@ def expected_codes(way: str, out: str) -> set[int]:
     return {0}  # term, or no stop at all
 
 
-def command(workdir: str, data_dir: str, cache: str) -> list[str]:
+def command(workdir: str, args) -> list[str]:
     """The run as a user types it; tests/conftest.py:tiny_command builds the same for the
     tests, but this script is run on its own, without the tests on its path."""
-    return [
-        sys.executable,
-        "-m",
-        "trainer",
+    flags = [
         "--config",
         "configs/transformer_1024.py:tiny",
         "--workdir",
         workdir,
-        "--cpu_devices",
-        "8",
-        f"--config.data.data_dir={data_dir}",
-        f"--config.compilation_cache_dir={cache}",
+        f"--config.data.data_dir={args.data_dir}",
+        f"--config.compilation_cache_dir={args.cache}",
         f"--config.num_train_steps={STEPS}",
         "--config.steps_per_loop=2",
         "--config.log_every_steps=2",
@@ -80,6 +88,11 @@ def command(workdir: str, data_dir: str, cache: str) -> list[str]:
         "--config.data.num_eval_examples=16",
         "--config.max_decode_length=8",
     ]
+    if args.processes == 1:
+        return [sys.executable, "-m", "trainer", *flags, "--cpu_devices", "8"]
+    launch = ["launch.local", f"--num_processes={args.processes}", "--cpu_devices=8"]
+    # A dead peer is found within 15 s, and a dead launcher's processes are gone in 10.
+    return [sys.executable, "-m", *launch, "--grace=10", "--", *flags, "--heartbeat_timeout=15"]
 
 
 def start(workdir: str, args, fault: str | None) -> subprocess.Popen:
@@ -89,13 +102,19 @@ def start(workdir: str, args, fault: str | None) -> subprocess.Popen:
     if fault:
         env["WUS_FAULT"] = fault
     return subprocess.Popen(
-        command(workdir, args.data_dir, args.cache),
+        command(workdir, args),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def trainer_processes(launcher: int) -> list[int]:
+    """The trainer processes ``launch.local`` (pid ``launcher``) started."""
+    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
 
 
 def rows(workdir: str) -> dict[int, dict]:
@@ -119,18 +138,19 @@ def listed(workdir: str) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit())
 
 
-def check(workdir: str, way: str, code: int, out: str) -> list[str]:
+def check(workdir: str, way: str, target: str, code: int, out: str, processes: int) -> list[str]:
     """The problems with one run's outcome (empty if none)."""
     problems = []
     if "Traceback" in out:
         problems.append("traceback in the output")
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    if len(errors) > 1:
+    lines = [re.sub(r"^\[p\d+\] ", "", line) for line in out.splitlines()]  # launch.local's
+    errors = [line for line in lines if line.startswith("error:")]
+    if len(errors) > processes:
         problems.append(f"{len(errors)} error lines")
     ended = f"newest complete checkpoint: step {STEPS} " in out  # the run's last line
     if code in (-signal.SIGINT, -signal.SIGTERM) and ended and way in ("int", "int2", "term"):
         pass  # the signal came during the interpreter's exit, after the run ended
-    elif code not in (allowed := expected_codes(way, out)):
+    elif code not in (allowed := expected_codes(way, out, target)):
         problems.append(f"exit code {code}, expected one of {sorted(allowed)}")
     if way == "enospc" and code == 1 and "No space left on device" not in "".join(errors):
         problems.append(f"full disk not named: {errors}")
@@ -145,6 +165,7 @@ def check(workdir: str, way: str, code: int, out: str) -> list[str]:
     if incomplete and max(incomplete) == max(steps):
         problems.append(f"the newest checkpoint {max(steps)} is not complete")
     named = re.findall(r"newest complete checkpoint: step (\d+)", out)
+    # After a SIGKILL the processes left may still save (a killed launcher's do).
     if named and way != "kill" and int(named[-1]) != max(steps, default=-1):
         problems.append(f"says newest is {named[-1]} but {steps} are listed")
     return problems
@@ -155,9 +176,16 @@ def main() -> int:
     parser.add_argument("--count", type=int, required=True, help="runs stopped at random")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default="/tmp/wus-soak", help="work area (emptied first)")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="trainer processes per job (launch.local)"
+    )
     args = parser.parse_args()
-    if args.count < 1:
-        print(f"error: --count must be >= 1, got {args.count}", file=sys.stderr)
+    if args.count < 1 or args.processes < 1 or 8 % args.processes:
+        print(
+            f"error: --count ({args.count}) must be >= 1 and --processes ({args.processes}) "
+            "must divide 8 devices",
+            file=sys.stderr,
+        )
         return 2
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -166,6 +194,12 @@ def main() -> int:
     rng = random.Random(args.seed)
 
     start_s = time.time()
+    if args.processes > 1:  # the processes of a job find their input ready, as on a pod
+        prepare = [sys.executable, "-m", "trainer.data.prepare"]
+        prepare += ["--config", "configs/transformer_1024.py:tiny"]
+        prepare += [f"--config.data.data_dir={args.data_dir}"]
+        env = dict(os.environ, PYTHONPATH=REPO)
+        subprocess.run(prepare, cwd=REPO, env=env, check=True, capture_output=True)
     reference_dir = os.path.join(args.dir, "reference")
     proc = start(reference_dir, args, None)
     out = proc.communicate()[0]
@@ -182,6 +216,8 @@ def main() -> int:
     while stopped_runs < args.count or finished == 0 or os.path.exists(workdir):
         last = stopped_runs >= args.count  # all stops done: run to the end
         run_index += 1
+        alone = args.processes == 1
+        target = "trainer" if alone else "process"
         if last:
             way, fault, delay = "none", None, None
         elif rng.random() < 0.5:
@@ -191,7 +227,10 @@ def main() -> int:
             delay = None
         else:
             way = rng.choice(("kill", "term", "int", "int2"))
-            fault, delay = None, rng.uniform(2.0, 25.0)
+            fault, delay = None, rng.uniform(2.0, 25.0 if alone else 50.0)
+            if not alone:  # a terminal's Ctrl-C reaches the launcher only
+                is_int = way in ("int", "int2")
+                target = "launcher" if is_int or rng.random() < 0.5 else "process"
         began = time.time()
         before = listed(workdir)
         proc = start(workdir, args, fault)
@@ -199,15 +238,21 @@ def main() -> int:
             try:
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
+                pids = [proc.pid] if target != "process" else trainer_processes(proc.pid)[:1]
                 for signum in SIGNALS[way]:
-                    proc.send_signal(signum)
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signum)
                     time.sleep(0.05)
         out = proc.communicate(timeout=600)[0]
         with open(os.path.join(args.dir, f"run{run_index:03d}.log"), "w") as f:
-            f.write(f"# fault={fault} way={way} delay={delay} rc={proc.returncode}\n{out}")
+            f.write(
+                f"# fault={fault} way={way} target={target} delay={delay} "
+                f"rc={proc.returncode}\n{out}"
+            )
         if not last:
             stopped_runs += 1
-        problems = check(workdir, way, proc.returncode, out)
+        problems = check(workdir, way, target, proc.returncode, out, args.processes)
         try:
             got = rows(workdir)
         except AssertionError as e:
@@ -221,9 +266,13 @@ def main() -> int:
                 problems.append(f"metrics differ from the reference at steps {mismatched}")
             else:
                 compared += 1
-        what = fault or (f"{way} after {delay:.1f}s" if delay is not None else "to the end")
+        what = fault or (
+            f"{way} {'' if alone else target + ' '}after {delay:.1f}s"
+            if delay is not None
+            else "to the end"
+        )
         print(
-            f"run {run_index:3d}: {what:24s} rc {proc.returncode:4d} | checkpoints {before} -> "
+            f"run {run_index:3d}: {what:32s} rc {proc.returncode:4d} | checkpoints {before} -> "
             f"{listed(workdir)} | {time.time() - began:4.0f}s"
             f"{' | finished, equal to the reference' if done and not problems else ''}"
             f"{' | PROBLEMS: ' + '; '.join(problems) if problems else ''}",

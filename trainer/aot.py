@@ -30,13 +30,12 @@ python -m trainer.aot --config configs/transformer_16.py:synthetic --topology v3
 from __future__ import annotations
 
 import json
-import os
 
 from absl import flags
 from ml_collections import config_flags
 
 from trainer.parallel.plan import MODES
-from trainer.runtime import cli, console, process
+from trainer.runtime import cli, console, process, storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _TOPOLOGY = flags.DEFINE_string(
@@ -133,9 +132,15 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     results = {}
     known = (*MODES, "auto")
-    if unknown := [m for m in _MODES.value if m not in known]:  # before minutes of compiling
+    # Everything the user can get wrong is checked before minutes of compiling.
+    if not _MODES.value:
+        cli.fail("--modes is empty: name the modes to compile, e.g. --modes none,wus (or auto)")
+    if unknown := [m for m in _MODES.value if m not in known]:
         cli.fail(f"--modes: {', '.join(map(repr, unknown))} not one of {', '.join(known)}")
     with cli.clear_errors():
+        json_out = storage.output_file(_JSON.value, "--json") if _JSON.value else None
+        if _HLO.value:
+            storage.make_directory(_HLO.value, "--hlo")
         devices = compiled_lib.topology_devices(_TOPOLOGY.value)
         where = f"{len(devices)} {devices[0].device_kind} devices ({_TOPOLOGY.value})"
         for mode in _MODES.value:
@@ -155,17 +160,14 @@ def main(argv: list[str]) -> None:
                 f"(compiler-literal)"
             )
     if _HLO.value:
-        os.makedirs(_HLO.value, exist_ok=True)
         for mode, r in results.items():
             if r["hlo"] is not None:  # auto's chosen candidate keeps none
-                with open(os.path.join(_HLO.value, f"{mode}.hlo.txt"), "w") as f:
-                    f.write(r["hlo"])
+                (storage.path(_HLO.value) / f"{mode}.hlo.txt").write_text(r["hlo"])
     for r in results.values():
         r.pop("hlo", None)
     report(results)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(results, f, indent=2)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer.parallel.hardware import measure_matmul_peak
-from trainer.runtime import cli, console, process
+from trainer.parallel.plan import MODES
+from trainer.runtime import cli, console, process, storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _MODES = flags.DEFINE_list("modes", ["none", "fsdp", "wus"], "Update-sharding modes to time.")
@@ -137,7 +138,15 @@ def main(argv: list[str]) -> None:
         cli.fail(f"--steps_per_loop: expected loop lengths like 1,8, got {_STEPS_PER_LOOP.value}")
     if min(loop_lengths) < 1 or _LOOPS.value < 1:
         cli.fail(f"--steps_per_loop {loop_lengths} and --loops {_LOOPS.value} must be >= 1")
+    if not _MODES.value:
+        cli.fail("--modes is empty: name the modes to time, e.g. --modes none,wus")
+    if unknown := [m for m in _MODES.value if m not in MODES]:
+        cli.fail(f"--modes: {', '.join(map(repr, unknown))} not one of {', '.join(MODES)}")
     process.setup(cpu_devices=_CPU_DEVICES.value)
+    with cli.clear_errors():  # the outputs, before minutes of work
+        json_out = storage.output_file(_JSON.value, "--json") if _JSON.value else None
+        if _PLOT.value:
+            storage.output_file(_PLOT.value, "--plot")
     import jax  # noqa: PLC0415  (after setup)
 
     from trainer.analysis import benchmark  # noqa: PLC0415  (imports JAX, Flax, Orbax)
@@ -159,9 +168,8 @@ def main(argv: list[str]) -> None:
                 )
             console.say(mode_line(mode, results[mode]))
     report(results, peak, _MEASURE_PEAK.value)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(results, f, indent=2)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2))
     if _PLOT.value:
         from trainer.analysis import figures  # noqa: PLC0415  (matplotlib, an extra)
 

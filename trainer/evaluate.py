@@ -19,7 +19,7 @@ import sys
 
 from absl import flags
 
-from trainer.runtime import cli, errors, process, run_config
+from trainer.runtime import cli, errors, process, run_config, storage
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (python -m trainer's --workdir).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
@@ -42,12 +42,21 @@ def main(argv: list[str]) -> None:
         print(" | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]))
         sys.stdout.flush()
         overrides = run_config.overrides(_WORKDIR.value, config)
+        directory = storage.path(_WORKDIR.value)
         try:
             evaluation.record_result(_WORKDIR.value, step, metrics, overrides)
         except OSError as e:
             errors.warn(
-                f"could not record the result in {_WORKDIR.value}/eval.jsonl "
-                f"({e.strerror or type(e).__name__}); it is only in the line above"
+                f"could not record the result in {directory / 'eval.jsonl'} "
+                f"({storage.explain(e)}); it is only in the line above"
+            )
+        try:
+            evaluation.record_events(_WORKDIR.value, step, metrics)
+        except OSError as e:
+            events = directory / evaluation.EVENTS_SUBDIR
+            errors.warn(
+                f"could not write the TensorBoard events into {events} ({storage.explain(e)}); "
+                "the result is in eval.jsonl and the line above"
             )
 
 

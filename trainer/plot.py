@@ -28,8 +28,8 @@ def main(argv: list[str]) -> None:
     if not out:
         cli.fail("--out FILE.png is required")
     process.setup()
-    if storage.path(out).is_dir():
-        cli.fail(f"--out {out} is a directory: give the PNG file to write, e.g. {out}/runs.png")
+    with cli.clear_errors():
+        storage.output_file(out, "--out")
     names = _NAMES.value or None
     if names and len(names) != len(workdirs):
         cli.fail(f"--names has {len(names)} names for {len(workdirs)} run directories")

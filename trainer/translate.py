@@ -51,6 +51,10 @@ def main(argv: list[str]) -> None:
     from trainer.training import decoding  # noqa: PLC0415  (imports JAX, Flax, Orbax)
 
     config = run_config.config_value()
+    if sys.stdin is None:
+        cli.fail("stdin is closed: give the sentences on it, one a line (... < sentences.txt)")
+    with cli.clear_errors():
+        decoding.require_translation_run(config)
     beam = config.eval_beam_size if _BEAM_SIZE.value is None else _BEAM_SIZE.value
     max_length = config.max_decode_length if _MAX_LENGTH.value is None else _MAX_LENGTH.value
     lines, unreadable = decoding.read_lines(sys.stdin.buffer.read())

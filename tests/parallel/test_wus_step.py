@@ -271,6 +271,7 @@ def test_repeated_token_embedding_gradient_accumulates_in_f32():
     ids = np.full((replicas * rows,), 7, np.int32)
     task = tasks.Task(
         model=emb,
+        eval_model=emb,
         init_batch={"ids": ids[:1]},
         train_data=iter(()),
         eval_batches=lambda: (),

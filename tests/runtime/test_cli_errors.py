@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import REPO, command_env, run_command, start_command, tiny_command, tiny_flags
 
+from configs import ncf_16, transformer_1024
+
 
 def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
     """``name: (command, text the error line contains)``."""
@@ -96,7 +98,106 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
         ),
         "plot into a directory": (
             python("trainer.plot", os.path.join(tmp, "w"), "--out", tmp),
-            f"--out {tmp} is a directory: give the PNG file to write",
+            f"--out {tmp} is a directory: give the name of a file, e.g. {tmp}/runs.png",
+        ),
+        # Paths a file system refuses, each named with what is wrong and what to do.
+        "workdir under a file (ENOTDIR)": (
+            tiny_command(os.path.join(afile, "run"), data),
+            f"--workdir {afile}/run: Not a directory ({afile} is a file): move that file away",
+        ),
+        "workdir in a symlink loop (ELOOP)": (
+            tiny_command(os.path.join(tmp, "loop", "run"), data),
+            f"--workdir {tmp}/loop/run: Too many levels of symbolic links: its symbolic links "
+            "form a loop",
+        ),
+        "workdir a dangling symlink (EEXIST)": (
+            tiny_command(os.path.join(tmp, "dangling"), data),
+            f"({tmp}/dangling is a symbolic link to {tmp}/gone, which does not exist): create "
+            "what it points to, remove the link",
+        ),
+        "workdir name too long (ENAMETOOLONG)": (
+            tiny_command(os.path.join(tmp, "n" * 300), data),
+            "File name too long: a name in it is longer than the file system allows",
+        ),
+        "checkpoints is a file": (
+            tiny_command(os.path.join(tmp, "ck"), data),
+            f"{tmp}/ck/checkpoints is a file, where the run keeps its checkpoints: move it away",
+        ),
+        "hparams path is a directory": (
+            tiny_command(os.path.join(tmp, "hp"), data),
+            f"{tmp}/hp/events.out.tfevents.0.hparams is a directory, where the run writes its",
+        ),
+        "bench --json into a directory": (
+            python(
+                "trainer.bench",
+                "--config",
+                "configs/transformer_1024.py:tiny,synthetic",
+                "--cpu_devices",
+                "8",
+                "--json",
+                tmp,
+            ),
+            f"--json {tmp} is a directory: give the name of a file, e.g. {tmp}/results.json",
+        ),
+        "aot --json into a directory": (
+            python(
+                "trainer.aot",
+                "--config",
+                "configs/transformer_16.py:synthetic",
+                "--topology",
+                "v3:4x4",
+                "--json",
+                tmp,
+            ),
+            f"--json {tmp} is a directory",
+        ),
+        "aot with no mode": (
+            python(
+                "trainer.aot",
+                "--config",
+                "configs/transformer_16.py:synthetic",
+                "--topology",
+                "v3:4x4",
+                "--modes=",
+            ),
+            "--modes is empty",
+        ),
+        "prepare --eval_text on a directory": (
+            python(
+                "trainer.data.prepare",
+                "--config",
+                "configs/transformer_1024.py:tiny",
+                f"--config.data.data_dir={data}",
+                "--eval_text",
+                tmp,
+            ),
+            f"--eval_text {tmp} is a directory",
+        ),
+        # Values the run cannot represent or use.
+        "get_config returns no config": (
+            python("trainer", "--config", os.path.join(tmp, "c42.py"), "--workdir", afile),
+            f"--config {tmp}/c42.py: get_config() returned int '42', not an "
+            "ml_collections.ConfigDict",
+        ),
+        "a step count beyond int32": (
+            trainer("big", num_train_steps=10**20),
+            "num_train_steps=100000000000000000000 is beyond what the run can represent",
+        ),
+        "an unknown fault": (
+            ["env", "WUS_FAULT=bogus", *trainer("fault")],
+            "WUS_FAULT='bogus': expected <point>:<action>[:<n>]",
+        ),
+        "translate a recommendation run": (
+            python("trainer.translate", "--workdir", os.path.join(tmp, "ncf")),
+            "this is a run of model.name='ncf', not a translation model",
+        ),
+        "translate with stdin closed": (
+            ["sh", "-c", f"exec {sys.executable} -m trainer.translate --workdir {tmp}/mt <&-"],
+            "stdin is closed: give the sentences on it, one a line",
+        ),
+        "evaluate a damaged config.json with no checkpoint": (
+            python("trainer.evaluate", "--workdir", os.path.join(tmp, "cut")),
+            f"{tmp}/cut/config.json is damaged (JSONDecodeError: ",
         ),
         "aot mode unknown": (
             python(
@@ -134,6 +235,24 @@ def results(tmp_path_factory):
     """Every case's result, run 3 at a time (most of their time is importing JAX)."""
     tmp = str(tmp_path_factory.mktemp("mistakes"))
     open(os.path.join(tmp, "afile"), "w").close()
+    os.symlink("loop", os.path.join(tmp, "loop"))
+    os.symlink(os.path.join(tmp, "gone"), os.path.join(tmp, "dangling"))
+    os.makedirs(os.path.join(tmp, "ck"))
+    open(os.path.join(tmp, "ck", "checkpoints"), "w").close()
+    os.makedirs(os.path.join(tmp, "hp", "events.out.tfevents.0.hparams"))
+    with open(os.path.join(tmp, "c42.py"), "w") as f:
+        f.write("def get_config():\n    return 42\n")
+    # Run directories as far as the commands read them before any checkpoint.
+    for name, config in (
+        ("ncf", ncf_16.get_config("tiny")),
+        ("mt", transformer_1024.get_config("tiny")),
+    ):
+        os.makedirs(os.path.join(tmp, name))
+        with open(os.path.join(tmp, name, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort())
+    os.makedirs(os.path.join(tmp, "cut"))
+    with open(os.path.join(tmp, "cut", "config.json"), "w") as f:
+        f.write(transformer_1024.get_config("tiny").to_json_best_effort()[:100])
     cases = _cases(tmp)
     with ThreadPoolExecutor(3) as pool:
         done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
@@ -342,3 +461,35 @@ def test_ctrl_c_twice_while_starting_is_a_clean_exit(tmp_path, delay):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
+    workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")
+    flags = tiny_flags(
+        workdir,
+        data,
+        num_train_steps=100000,
+        # Long loops: the orphaned processes still hold the directory when the new
+        # run asks for it (they stop at the next loop boundary, or after --grace).
+        steps_per_loop=100,
+        log_every_steps=100,
+        checkpoint_every_steps=100,
+        eval_every_steps=0,
+    )
+    launch = ["launch.local", "--num_processes=2", "--cpu_devices=2", "--grace=20", "--"]
+    launcher = start_command([sys.executable, "-m", *launch, *flags])
+    try:
+        for line in launcher.stdout:
+            if "[p0] step" in line:
+                break
+    finally:
+        launcher.kill()  # its processes save at the next boundary and exit
+        launcher.wait()
+    result = run_command(
+        tiny_command(workdir, data, num_train_steps=2, steps_per_loop=2, eval_every_steps=0)
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "whose launcher has died: waiting up to 30s for it to save and exit" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -80,6 +80,11 @@ def clean(result) -> str:
     return out
 
 
+def summary(workdir) -> dict:
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
 def no_temporary(workdir) -> None:
     assert not glob.glob(os.path.join(workdir, "checkpoints", "*tmp*")), steps(workdir)
 
@@ -102,6 +107,7 @@ def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference
     result = run(shared, workdir, "compile:kill")
     assert result.returncode == -9
     assert steps(workdir) == []
+    assert summary(workdir)["status"] == "running"  # never an earlier run's summary
     # kill -9 in the middle of the second save (step 4, its temporary directory written).
     result = run(shared, workdir, "save:kill:2")
     assert result.returncode == -9
@@ -181,6 +187,8 @@ def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "saving the checkpoint of step 4" in errors[0], out[-3000:]
     assert "No space left on device" in errors[0]
+    failed = summary(workdir)
+    assert failed["status"] == "failed" and "No space left on device" in failed["error"]
     assert steps(workdir) == ["2"]
     # An empty directory of step 4 (a save cut short by hand): moved aside, 4 is saved again.
     os.mkdir(os.path.join(checkpoints, "4"))

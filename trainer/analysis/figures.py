@@ -10,11 +10,11 @@ with its last value. :func:`plot_bench` draws the benchmark's modes side by side
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
-from trainer.runtime import storage
+from trainer.reporting import rows as rows_lib
+from trainer.runtime import errors, storage
 from trainer.runtime.errors import UserError
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by step
@@ -23,6 +23,9 @@ Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by ste
 def read_series(workdir: str, filename: str = "metrics.jsonl", *, last: bool = True) -> Series:
     """``{metric: [(step, value), ...]}`` from one of a run's JSON-lines files.
 
+    Lines no tool can read (cut short, not UTF-8, without an integer step) are
+    skipped, with one warning (:mod:`trainer.reporting.rows`).
+
     Args:
       workdir: the run directory.
       filename: ``metrics.jsonl`` or ``eval.jsonl`` (a missing file reads as {}).
@@ -30,18 +33,19 @@ def read_series(workdir: str, filename: str = "metrics.jsonl", *, last: bool = T
         evaluations of one checkpoint with several beam sizes).
     """
     path = storage.path(workdir) / filename
-    rows: dict[str, list[tuple[int, float]]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                step = int(row.pop("step"))
-                for key, value in row.items():
-                    if isinstance(value, int | float) and math.isfinite(value):
-                        rows.setdefault(key, []).append((step, float(value)))
+    rows, skipped = rows_lib.read(path)
+    if skipped:
+        errors.warn(rows_lib.skipped_warning(path, skipped))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key == "step" or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and math.isfinite(value):
+                series.setdefault(key, []).append((row["step"], float(value)))
     if last:
-        return {k: sorted(dict(points).items()) for k, points in rows.items()}
-    return {k: sorted(points) for k, points in rows.items()}
+        return {k: sorted(dict(points).items()) for k, points in series.items()}
+    return {k: sorted(points) for k, points in series.items()}
 
 
 def run_names(workdirs: list[str]) -> list[str]:
@@ -70,6 +74,16 @@ def plot_runs(workdirs: list[str], out: str, names: list[str] | None = None) -> 
     plt = _pyplot()
     names = names or run_names(workdirs)
     runs = [(read_series(w), read_series(w, "eval.jsonl", last=False)) for w in workdirs]
+    empty = [w for w, (train, later) in zip(workdirs, runs, strict=True) if not train and not later]
+    if len(empty) == len(workdirs):
+        raise UserError(
+            f"nothing to plot: no step of {', '.join(map(str, empty))} has been logged yet (a "
+            "run logs every log_every_steps; one stopped before its first log step has none)"
+        )
+    for w in empty:
+        errors.warn(f"{w} has no logged step yet: left out of the figure")
+    kept = [i for i, w in enumerate(workdirs) if w not in empty]
+    names, runs = [names[i] for i in kept], [runs[i] for i in kept]
     metrics = ["loss"] + sorted(
         {k for train, later in runs for k in (*train, *later) if k.startswith("eval/")}
     )

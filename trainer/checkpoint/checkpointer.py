@@ -116,6 +116,11 @@ class Checkpointer(CheckpointReader):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = storage.path(workdir) / "checkpoints"
+        if self.directory.exists() and not self.directory.is_dir():
+            raise errors.UserError(
+                f"{self.directory} is a file, where the run keeps its checkpoints: move it "
+                "away (or choose another --workdir)"
+            )
         self._pending: int | None = None  # the step of the save in flight
         self._failure: str | None = None  # why the last save failed, once known
         self.abandoned: int | None = None  # the step of a save given up (Orbax lists it)

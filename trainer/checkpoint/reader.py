@@ -17,7 +17,7 @@ from etils import epath
 
 from trainer.checkpoint import position as position_lib
 from trainer.checkpoint import tree as tree_lib
-from trainer.runtime import errors, orbax_output, storage
+from trainer.runtime import errors, orbax_output, run_config, storage
 
 
 class CheckpointError(errors.UserError):
@@ -60,7 +60,7 @@ def open_manager(
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "data": position_lib.DataStateHandler(),
-                "config": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(filename=run_config.CHECKPOINT_CONFIG_FILE),
             },
         )
 

@@ -34,6 +34,9 @@ def main(argv: list[str]) -> None:
     config.data.worker_count = 0
     start = time.perf_counter()
     with cli.clear_errors():
+        if _EVAL_TEXT.value:  # before the work: a path mistake is found at once
+            storage.output_file(_EVAL_TEXT.value, "--eval_text")
+            storage.output_file(_EVAL_TEXT.value + ".ref", "--eval_text")
         data = tasks.open_data(config)
         if _EVAL_TEXT.value:
             if not hasattr(data, "eval_references"):

@@ -19,8 +19,9 @@ from tensorboardX import SummaryWriter, record_writer
 from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2
 
+from trainer.reporting import rows as rows_lib
 from trainer.runtime import cli, console, storage
-from trainer.runtime.errors import ConfigError
+from trainer.runtime.errors import ConfigError, UserError
 
 # metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
 _REMOTE_FLUSH_SECS = 10.0
@@ -67,6 +68,12 @@ class MetricWriter:
         if not enabled:
             return
         directory = self._directory = storage.path(workdir)
+        for name in ("metrics.jsonl", HPARAMS_EVENTS):  # found now, not at the first eval
+            if (directory / name).is_dir():
+                raise UserError(
+                    f"{directory / name} is a directory, where the run writes its {name}: "
+                    "move it away (or choose another --workdir)"
+                )
         self._jsonl = storage.AppendOnlyFile(
             directory / "metrics.jsonl", min_interval_s=_REMOTE_FLUSH_SECS
         )
@@ -172,33 +179,21 @@ def write_events(directory: str | os.PathLike, step: int, scalars: dict[str, flo
             events.add_scalar(tensorboard_tag(key), float(value), global_step=int(step))
 
 
-def drop_rows_after(workdir: str | os.PathLike, step: int) -> None:
-    """Removes the rows of steps after ``step`` from ``workdir/metrics.jsonl``.
+def drop_rows_after(workdir: str | os.PathLike, step: int) -> int:
+    """Removes the rows of steps after ``step`` from ``workdir/metrics.jsonl``, and the
+    lines no tool can read (:mod:`trainer.reporting.rows`); returns how many of those.
 
     A resumed run logs those steps again (bit for bit the same training), so
     each step has one row. The file is replaced whole (atomically on a local
-    disk, as one object in a store).
+    disk, as one object in a store), and only if something is dropped.
     """
     path = storage.path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = []
-    for line in lines:
-        try:
-            row_step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut by a kill
-        if row_step <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) == len(lines):
-        return
-    if storage.is_remote(path):
-        path.write_text("".join(kept))
-    else:
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(kept))
-        os.replace(partial, path)
+    kept, skipped = rows_lib.read(path)
+    before = len(kept)
+    kept = [row for row in kept if row["step"] <= step]
+    if skipped or len(kept) != before:
+        storage.write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return skipped
 
 
 def set_aside(workdir: str | os.PathLike, destination: epath.Path) -> epath.Path | None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import time
 from collections.abc import Iterator
 
 from etils import epath
 
-from trainer.runtime import console
+from trainer.reporting import rows as rows_lib
+from trainer.runtime import console, storage
 
 # The phases of a run's wall time; "start-up" is what the others leave (imports,
 # the devices, data and model set-up, the checkpoint read).
@@ -52,10 +55,46 @@ class RunReport:
         """Adds ``seconds`` to ``phase``."""
         self.seconds[phase] += seconds
 
+    def begin(self) -> None:
+        """Marks ``summary.json`` as that of a run in progress (process 0, once the run
+        holds the work directory): until this run rewrites it at its end, it never
+        describes an earlier run, also when this one is killed or fails."""
+        self._write(
+            {
+                "status": "running",
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        )
+
+    def failed(self, error: BaseException) -> None:
+        """Records in ``summary.json`` that the run ended with ``error`` (process 0)."""
+        with contextlib.suppress(OSError):  # a full disk may be why it failed
+            self._write(
+                {
+                    "status": "failed",
+                    "error": " ".join(str(error).split()) or type(error).__name__,
+                    "first_step": self.first_step,
+                    "last_step": self.last_step,
+                }
+            )
+
+    def _write(self, summary: dict) -> None:
+        storage.write_atomically(
+            self.directory / "summary.json", json.dumps(summary, indent=2) + "\n"
+        )
+
     def summary(
-        self, *, global_batch_size: int, newest_checkpoint: str | None, commands: list[str]
+        self,
+        *,
+        global_batch_size: int,
+        newest_checkpoint: str | None,
+        commands: list[str],
+        stopped_by: str | None = None,
     ) -> dict:
-        """The summary as a dict (what ``summary.json`` holds)."""
+        """The summary as a dict (what ``summary.json`` holds); ``stopped_by`` names the
+        signal that stopped the run early (None: it ran to its last step)."""
         wall = time.time() - self.started
         steps = (self.last_step or 0) - (self.first_step or 0)
         train_s = self.seconds["train"]
@@ -68,6 +107,7 @@ class RunReport:
             row = pick((r for r in evals if key in r), key=lambda r, key=key: r[key])
             best[key] = {"value": row[key], "step": row["step"]}
         return {
+            "status": f"stopped ({stopped_by})" if stopped_by else "finished",
             "first_step": self.first_step,
             "last_step": self.last_step,
             "steps_trained": steps,
@@ -89,7 +129,7 @@ class RunReport:
         """Writes ``summary.json``, says the summary (:func:`render`) and returns it;
         call on process 0 only. Arguments as :meth:`summary`."""
         out = self.summary(**kwargs)
-        (self.directory / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+        self._write(out)
         console.say(render(out, self.directory))
         return out
 
@@ -122,23 +162,17 @@ def render(summary: dict, directory: epath.Path) -> str:
 
 
 def _metric_rows(directory: epath.Path) -> list[dict]:
-    """The rows of ``metrics.jsonl`` (every step this run directory logged, also
-    before a resume); a line cut by a kill is skipped."""
-    path = directory / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            rows.append(json.loads(line))
-    return rows
+    """The usable rows of ``metrics.jsonl`` (every step this run directory logged, also
+    before a resume; :mod:`trainer.reporting.rows`)."""
+    return rows_lib.read(directory / "metrics.jsonl")[0]
 
 
-def commands(directory: epath.Path) -> list[str]:
-    """The commands that show a finished run of ``directory``."""
+def commands(directory: epath.Path, *, evaluate_flags: str = "") -> list[str]:
+    """The commands that show a finished run of ``directory``; ``evaluate_flags`` are
+    what ``trainer.evaluate`` needs to see the run's devices (``--cpu_devices 8``)."""
     where = str(directory)
-    return [
-        f"tensorboard --logdir {where}",
-        f"python -m trainer.plot {where} --out {where}/metrics.png",
-        f"python -m trainer.evaluate --workdir {where}",
-    ]
+    out = [f"tensorboard --logdir {where}"]
+    if _metric_rows(directory):  # a run stopped before its first log step has none
+        out.append(f"python -m trainer.plot {where} --out {where}/metrics.png")
+    out.append(f"python -m trainer.evaluate --workdir {where}{evaluate_flags}")
+    return out

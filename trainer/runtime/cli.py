@@ -78,9 +78,15 @@ def load_config(value: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        return module.get_config(variant) if colon else module.get_config()
+        config = module.get_config(variant) if colon else module.get_config()
     except Exception as e:  # noqa: BLE001  (whatever the config file raised: the user's)
         raise UserError(f"--config {value}: {type(e).__name__}: {e}") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UserError(
+            f"--config {value}: get_config() returned {type(config).__name__} "
+            f"{str(config)[:40]!r}, not an ml_collections.ConfigDict"
+        )
+    return config
 
 
 def check_keys(config: ml_collections.ConfigDict, keys: list[str]) -> None:
@@ -123,24 +129,23 @@ def parse_flags(argv: list[str]) -> list[str]:
     return []
 
 
-# File-system errors a user's environment causes (not bugs): one line each.
-_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
-
-
 @contextlib.contextmanager
 def clear_errors() -> Iterator[None]:
-    """Reports the errors a user can cause as one line; anything else is a bug
+    """Reports the errors a user can cause as one line: :class:`UserError`, and the
+    file-system errors of a path (a file where a directory should be, a full disk,
+    permissions: :func:`trainer.runtime.storage.explain`). Anything else is a bug
     and keeps its traceback."""
-    from trainer.runtime import errors  # noqa: PLC0415
+    from trainer.runtime import storage  # noqa: PLC0415  (etils: not for --help)
 
     try:
         yield
-    except errors.UserError as e:
+    except UserError as e:
         fail(str(e), EXIT_ERROR, last_words=e.last_words)
     except OSError as e:
-        if e.errno not in _ENVIRONMENT_ERRNOS:
+        # A missing file the error does not name is more likely a bug than a path.
+        if e.errno not in storage.PATH_ERRNOS or (e.errno == errno.ENOENT and not e.filename):
             raise
-        fail(f"{e.strerror}: {e.filename or e}", EXIT_ERROR)
+        fail(storage.explain(e), EXIT_ERROR)
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")

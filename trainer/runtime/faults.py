@@ -27,6 +27,8 @@ import signal
 import threading
 import time
 
+from trainer.runtime.errors import ConfigError
+
 VARIABLE = "WUS_FAULT"
 POINTS = ("compile", "loop", "save", "eval")
 ACTIONS = ("kill", "term", "int", "int2", "stop", "enospc")
@@ -36,15 +38,29 @@ _lock = threading.Lock()
 
 
 def parse(text: str) -> tuple[str, str, int]:
-    """``"save:kill:2"`` -> ``("save", "kill", 2)``; ValueError if malformed."""
+    """``"save:kill:2"`` -> ``("save", "kill", 2)``; ConfigError if malformed."""
     parts = text.split(":")
-    if len(parts) not in (2, 3) or parts[0] not in POINTS or parts[1] not in ACTIONS:
-        raise ValueError(
-            f"{VARIABLE}={text!r}: expected <point>:<action>[:<n>] with a point of {POINTS} "
-            f"and an action of {ACTIONS}"
+    nth = parts[2] if len(parts) == 3 else "1"
+    if (
+        len(parts) not in (2, 3)
+        or parts[0] not in POINTS
+        or parts[1] not in ACTIONS
+        or not nth.isdigit()
+        or int(nth) < 1
+    ):
+        raise ConfigError(
+            f"{VARIABLE}={text!r}: expected <point>:<action>[:<n>] with a point of "
+            f"{', '.join(POINTS)}, an action of {', '.join(ACTIONS)} and n >= 1 "
+            f"(or unset {VARIABLE}: it injects faults for tests)"
         )
-    nth = int(parts[2]) if len(parts) == 3 else 1
-    return parts[0], parts[1], nth
+    return parts[0], parts[1], int(nth)
+
+
+def check() -> None:
+    """Raises ConfigError now if ``WUS_FAULT`` is set but malformed (rather than at
+    the first point it would be asked about, minutes into a run)."""
+    if spec := os.environ.get(VARIABLE):
+        parse(spec)
 
 
 def point(name: str) -> None:

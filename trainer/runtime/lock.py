@@ -58,13 +58,33 @@ def holder_info() -> dict[str, Any]:
     """Who this run is, as written into the lock."""
     argv = list(getattr(sys, "orig_argv", sys.argv))  # "python -m trainer ..." as typed
     argv[0] = os.path.basename(argv[0])
-    return {
+    info = {
         "id": uuid.uuid4().hex,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": time.time(),
         "command": " ".join(argv),
     }
+    # Started by launch.local ("<launcher pid>:<grace seconds>", trainer/runtime/signals.py):
+    # if that launcher is gone, this process ends within the grace period.
+    if launcher := os.environ.get("WUS_LAUNCHER"):
+        info["launcher"] = launcher
+    return info
+
+
+def _orphan_grace_s(holder: dict[str, Any] | None) -> float | None:
+    """If ``holder`` is a process on this host whose launcher (launch.local) has died,
+    the seconds it has left to save and exit; else None."""
+    if not holder or holder.get("host") != socket.gethostname():
+        return None
+    try:
+        launcher, grace = str(holder["launcher"]).split(":")
+        os.kill(int(launcher), 0)
+    except ProcessLookupError:
+        return float(grace)  # the launcher is gone: its processes follow within grace
+    except (KeyError, ValueError, OSError):
+        return None
+    return None
 
 
 def describe(info: dict[str, Any] | None) -> str:
@@ -172,6 +192,7 @@ class WorkdirLock:
         import fcntl  # noqa: PLC0415  (POSIX only)
 
         path = os.fspath(self.path)
+        deadline = None  # set while waiting for the processes of a dead launcher
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -179,7 +200,17 @@ class WorkdirLock:
             except BlockingIOError:
                 holder = _parse(os.pread(fd, 1 << 16, 0))
                 os.close(fd)
-                raise WorkdirLockedError(self._locked_message(holder)) from None
+                grace = _orphan_grace_s(holder)
+                if grace is not None and deadline is None:
+                    deadline = time.monotonic() + grace + 10
+                    errors.warn(
+                        f"{self.path.parent} is held by {describe(holder)}, whose launcher has "
+                        f"died: waiting up to {grace + 10:g}s for it to save and exit"
+                    )
+                if deadline is None or time.monotonic() > deadline:
+                    raise WorkdirLockedError(self._locked_message(holder)) from None
+                time.sleep(0.2)
+                continue
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -10,6 +10,9 @@ slow imports and points JAX's compilation cache at the run's
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import importlib.util
 import logging as std_logging
 import os
 import sys
@@ -79,6 +82,8 @@ def setup(
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    elif not jax.config.jax_platforms and (platforms := _platforms_without_tpu()):
+        jax.config.update("jax_platforms", platforms)
     try:
         job = cluster.detect(
             coordinator_address=coordinator_address,
@@ -104,6 +109,31 @@ def setup(
     # backends (and libtpu's start-up lines) in commands that never use a device.
     console.setup(enabled=job is None or job.process_id == 0, stream=console_stream)
     tfds.disable_progress_bar()
+
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus, as JAX's own detection looks
+_NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def _platforms_without_tpu() -> str | None:
+    """The JAX platforms of a host with the TPU runtime installed but no TPU chip:
+    ``"cpu"`` (``"cuda,cpu"`` where NVIDIA's runtime and a GPU are there too); None
+    (JAX's own choice) where libtpu is absent or a Google device is on the PCI bus.
+
+    JAX tries every installed runtime at its first device query; libtpu, finding no
+    chip, prints five ``E0000 ... TPU_WORKER_HOSTNAMES`` and "Failed to find host
+    bounds" lines before JAX falls back to the CPU. A real TPU VM is left alone.
+    """
+    if importlib.util.find_spec("libtpu") is None:
+        return None
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with contextlib.suppress(OSError), open(vendor) as f:
+            if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                return None
+    gpu = importlib.util.find_spec("jax_cuda12_plugin") is not None and any(
+        os.path.exists(d) for d in _NVIDIA_DEVICES
+    )
+    return "cuda,cpu" if gpu else "cpu"
 
 
 def _tfds_errors_only(record) -> bool:

@@ -18,7 +18,9 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from trainer.runtime import cli, storage
+from configs import common
+from trainer.runtime import cli, errors, storage
+from trainer.runtime.errors import UserError
 
 
 def _typed(value: Any) -> Any:
@@ -34,18 +36,70 @@ def _typed(value: Any) -> Any:
     return value
 
 
+# Each checkpoint keeps the config it was saved with, as JSON in this file of its
+# ``config`` item (trainer/checkpoint/reader.py names it so for Orbax).
+CHECKPOINT_CONFIG_FILE = "metadata"
+
+
 def from_json(text: str) -> ml_collections.ConfigDict:
-    """A config from the JSON ``train`` wrote (``config.to_json_best_effort()``)."""
-    return _typed(json.loads(text))
+    """A config from the JSON ``train`` wrote (``config.to_json_best_effort()``).
+
+    Raises:
+      ValueError: if ``text`` is not a JSON object.
+    """
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    config = _typed(value)
+    # A run made before a common key existed (configs/common.py) gets its default.
+    defaults = common.base_config()
+    for key in defaults:
+        if key not in config:
+            config[key] = defaults[key]
+    return config
 
 
-def load(workdir: str) -> ml_collections.ConfigDict:
-    """The config of the run in ``workdir``.
+def _saved_with_checkpoint(workdir: str) -> tuple[int, ml_collections.ConfigDict] | None:
+    """The newest checkpoint's own copy of the config that can be read, and its step."""
+    checkpoints = storage.path(workdir) / "checkpoints"
+    steps = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
+    for step in sorted((int(s) for s in steps if s.isdigit()), reverse=True):
+        copy = checkpoints / str(step) / "config" / CHECKPOINT_CONFIG_FILE
+        try:
+            return step, from_json(copy.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def load(workdir: str, *, warn: bool = True) -> ml_collections.ConfigDict:
+    """The config of the run in ``workdir``: its ``config.json``, or, if that is
+    damaged (cut short, not JSON), the copy saved with its newest checkpoint (said
+    in a warning unless ``warn`` is False).
 
     Raises:
       FileNotFoundError: if ``workdir`` holds no ``config.json``.
+      UserError: if it is damaged and no checkpoint holds a copy.
     """
-    return from_json((storage.path(workdir) / "config.json").read_text())
+    path = storage.path(workdir) / "config.json"
+    text = path.read_bytes()
+    try:
+        return from_json(text.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        problem = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    saved = _saved_with_checkpoint(workdir)
+    if saved is None:
+        raise UserError(
+            f"{path} is damaged ({problem}) and no checkpoint keeps a copy: run the training "
+            f"command again with --workdir {workdir}, which writes it anew"
+        )
+    step, config = saved
+    if warn:
+        errors.warn(
+            f"{path} is damaged ({problem}): using the config saved with checkpoint {step}; "
+            "the next training run in this directory writes the file anew"
+        )
+    return config
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -71,6 +125,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         config = load(workdir)
     except FileNotFoundError:
         cli.fail(f"no config.json in {workdir}: not a run directory of python -m trainer")
+    except UserError as e:
+        cli.fail(str(e))
+    except OSError as e:
+        cli.fail(f"--workdir {storage.explain(e)}")
     cli.check_keys(config, cli.config_overrides(argv))
     config_flags.DEFINE_config_dict("config", config, "The run's config.", sys_argv=argv)
     return cli.parse_flags(argv)
@@ -78,7 +136,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def overrides(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """``{"a.b": value}`` where ``config`` differs from the run's own config."""
-    before = cli.flat_config(load(workdir))
+    before = cli.flat_config(load(workdir, warn=False))
     return {k: v for k, v in cli.flat_config(config).items() if before.get(k) != v}
 
 

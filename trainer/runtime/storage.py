@@ -12,6 +12,7 @@ passes it on to the libraries that have their own names for it.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
@@ -19,7 +20,135 @@ import time
 
 from etils import epath
 
-from trainer.runtime.errors import ConfigError
+from trainer.runtime.errors import ConfigError, UserError
+
+# The file-system errors a user's paths or machine cause (not bugs), each with what
+# it means for the path and what to do about it (:func:`explain`).
+_PATH_ERRORS = {
+    errno.ENOTDIR: "move that file away or choose another path",
+    errno.ELOOP: "its symbolic links form a loop: fix them or choose another path",
+    errno.ENAMETOOLONG: "a name in it is longer than the file system allows: choose shorter names",
+    errno.EISDIR: "give the name of a file, not of a directory",
+    errno.EEXIST: "remove it or choose another path",
+    errno.ENOENT: "create it first or choose another path",
+    errno.ENOSPC: "free some space or choose another disk",
+    errno.EDQUOT: "free some space or raise the quota",
+    errno.EROFS: "choose a writable path",
+    errno.EACCES: "change the permissions or choose another path",
+    errno.EPERM: "change the permissions or choose another path",
+}
+PATH_ERRNOS = frozenset(_PATH_ERRORS)
+
+
+class PathError(UserError):
+    """A path the user gave cannot be used (a file where a directory should be, ...)."""
+
+
+def _file_among_parents(location: str) -> str | None:
+    """The first of ``location``'s parents that exists and is not a directory."""
+    parts = os.path.abspath(location).split(os.sep)
+    for i in range(2, len(parts)):
+        parent = os.sep.join(parts[:i])
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            return parent
+    return None
+
+
+def _dangling_link(location: str) -> str | None:
+    """``location`` or its first parent that is a symbolic link to nothing, said so."""
+    parts = os.path.abspath(location).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        here = os.sep.join(parts[:i])
+        if os.path.islink(here) and not os.path.exists(here):
+            return f"{here} is a symbolic link to {os.readlink(here)}, which does not exist"
+    return None
+
+
+def explain(error: OSError, location: str | os.PathLike | None = None) -> str:
+    """One line for a file-system error a path causes: the path, what is wrong with
+    it and what to do (e.g. ``/w/file/run: Not a directory (/w/file is a file):
+    move that file away or choose another path``).
+
+    Args:
+      error: the error (its ``errno`` one of :data:`PATH_ERRNOS`).
+      location: the path the user gave, if the error names a file inside it.
+    """
+    path = os.fspath(location or error.filename or "")
+    reason = error.strerror or type(error).__name__
+    detail = None
+    if error.errno == errno.ENOTDIR and (file := _file_among_parents(path)):
+        detail = f"{file} is a file"
+        advice = "move that file away or choose another path"
+    elif error.errno in (errno.ENOENT, errno.EEXIST) and (link := _dangling_link(path)):
+        detail = link
+        advice = "create what it points to, remove the link, or choose another path"
+    else:
+        advice = _PATH_ERRORS.get(error.errno, "choose another path")
+    where = f"{path}: " if path else ""
+    return f"{where}{reason}" + (f" ({detail})" if detail else "") + f": {advice}"
+
+
+def make_directory(location: str | os.PathLike, what: str) -> epath.Path:
+    """Creates directory ``location`` (and its parents) if missing and returns it.
+
+    Raises:
+      PathError: one line naming ``what`` (e.g. ``--workdir``) and the path,
+        if it cannot be a directory.
+    """
+    directory = path(location)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir():  # an object store's "directory" that is a file
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", os.fspath(directory))
+    except OSError as e:
+        if e.errno not in PATH_ERRNOS:
+            raise
+        raise PathError(f"{what} {explain(e, directory)}") from None
+    return directory
+
+
+def output_file(location: str | os.PathLike, what: str) -> epath.Path:
+    """Checks, before any work is done, that a file can be written at ``location``:
+    not a directory, in a directory that exists or can be created and written to.
+
+    Args:
+      location: the file (a local path or a URL).
+      what: how the user named it, e.g. ``--json``.
+
+    Returns:
+      The path.
+
+    Raises:
+      PathError: one line naming ``what``, the path and what to do.
+    """
+    file = path(location)
+    if file.is_dir():
+        raise PathError(
+            f"{what} {file} is a directory: give the name of a file, e.g. {file}/"
+            f"{_example_name(what)}"
+        )
+    parent = make_directory(file.parent, what)
+    if problem := unwritable(parent):
+        raise PathError(f"{what} {file}: {problem} in {parent}: choose another path")
+    return file
+
+
+def _example_name(what: str) -> str:
+    return {"--json": "results.json", "--out": "runs.png", "--eval_text": "sentences.txt"}.get(
+        what, "out"
+    )
+
+
+def write_atomically(location: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``location`` so that a reader sees the old content or the
+    new, never a part: a temporary file renamed over it (one object in a store)."""
+    file = path(location)
+    if is_remote(file):
+        file.write_text(text)  # an object is replaced whole
+        return
+    partial = file.with_name(f".{file.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, file)
 
 
 def path(location: str | os.PathLike) -> epath.Path:
@@ -48,6 +177,8 @@ def workdir(location: str | os.PathLike | None) -> epath.Path:
             )
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--workdir {directory} is a file, not a directory")
+    if not is_remote(directory):
+        make_directory(directory, "--workdir")
     return directory
 
 

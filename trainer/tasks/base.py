@@ -18,7 +18,8 @@ class Task:
     """A model family as the trainer sees it.
 
     Attributes:
-      model: the flax module.
+      model: the flax module, computing in ``model.dtype`` (training).
+      eval_model: the same module computing in ``eval_dtype`` (evaluation, decoding).
       init_batch: a small batch of the right dtypes for ``model.init``.
       train_data: iterator of this process's training batches (numpy dicts of
         ``global_batch_size // process_count`` rows) with ``get_state()`` /
@@ -41,6 +42,7 @@ class Task:
     """
 
     model: nn.Module
+    eval_model: nn.Module
     init_batch: dict
     train_data: Iterator[dict] | None
     eval_batches: Callable[[], Iterable[dict]]

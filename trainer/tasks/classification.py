@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -40,6 +41,9 @@ def make_task(
             f"the data has {data.num_classes} classes but model.num_classes={cfg.num_classes}"
         )
     model = resnet.ResNet(cfg)
+    eval_model = resnet.ResNet(
+        dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
+    )
     size = config.data.image_size
     label_smoothing = config.label_smoothing
     init_batch = {
@@ -61,7 +65,7 @@ def make_task(
                 variables, images, train=True, mutable=["batch_stats"]
             )
         else:
-            logits, model_state = model.apply(variables, images, train=False), {}
+            logits, model_state = eval_model.apply(variables, images, train=False), {}
         labels = batch["labels"]
         weights = batch.get("weights", jnp.ones(labels.shape, jnp.float32))
         loss, sums = losses.cross_entropy_and_metrics(logits, labels, weights, label_smoothing)
@@ -74,6 +78,7 @@ def make_task(
 
     return Task(
         model=model,
+        eval_model=eval_model,
         init_batch=init_batch,
         train_data=data and data.train,
         eval_batches=data.eval_batches if data else lambda: (),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -39,6 +40,9 @@ def make_task(
             if n > config.model[key]:
                 raise ConfigError(f"the data has {n} {key[4:]} but model.{key}={config.model[key]}")
     model = ncf.NCF(cfg)
+    eval_model = ncf.NCF(
+        dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
+    )
     init_batch = {
         "users": np.zeros((1,), np.int32),
         "items": np.zeros((1,), np.int32),
@@ -51,7 +55,9 @@ def make_task(
 
     def loss_fn(variables, batch, rng, train):
         del rng  # NeuMF has no dropout
-        logits = model.apply(variables, batch["users"], batch["items"], train=train)
+        logits = (model if train else eval_model).apply(
+            variables, batch["users"], batch["items"], train=train
+        )
         loss, sums = ncf.loss_and_metrics(logits, batch["labels"], batch["weights"])
         return loss, (sums, {})
 
@@ -63,7 +69,7 @@ def make_task(
         def fn(params, users, items, weights):
             # Score every (user, candidate) pair: [users, 1 + negatives].
             pairs = jnp.broadcast_to(users[:, None], items.shape)
-            scores = model.apply({"params": params}, pairs.reshape(-1), items.reshape(-1))
+            scores = eval_model.apply({"params": params}, pairs.reshape(-1), items.reshape(-1))
             hits, ndcg = ncf.hit_rate_and_ndcg(scores.reshape(items.shape), weights=weights)
             return hits, ndcg, jnp.sum(weights)
 
@@ -83,6 +89,7 @@ def make_task(
 
     return Task(
         model=model,
+        eval_model=eval_model,
         init_batch=init_batch,
         train_data=data and data.train,
         # Eval rows are users with ranked candidates, not training pairs: the

@@ -95,6 +95,9 @@ def make_task(
             f"{cfg.vocab_size}"
         )
     model = transformer.Transformer(cfg)
+    eval_model = transformer.Transformer(
+        dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
+    )
     length = config.data.max_length
     label_smoothing = config.label_smoothing
     init_batch = {key: np.ones((1, length), np.int32) for key in data_lib.FEATURE_KEYS}
@@ -112,7 +115,7 @@ def make_task(
         return model.init({"params": rng}, batch["inputs"], batch["targets"], **packing(batch))
 
     def loss_fn(variables, batch, rng, train):
-        logits = model.apply(
+        logits = (model if train else eval_model).apply(
             variables,
             batch["inputs"],
             batch["targets"],
@@ -132,7 +135,7 @@ def make_task(
     @functools.cache
     def decoder():
         return make_decoder(
-            model,
+            eval_model,
             beam_size=config.eval_beam_size,
             max_decode_len=config.max_decode_length,
             alpha=config.length_penalty,
@@ -152,6 +155,7 @@ def make_task(
 
     return Task(
         model=model,
+        eval_model=eval_model,
         init_batch=init_batch,
         train_data=data and data.train,
         eval_batches=data.eval_batches if data else lambda: (),

@@ -44,10 +44,17 @@ class Report:
 
 def read_lines(data: bytes) -> tuple[list[str | None], list[tuple[int, str]]]:
     """Input bytes -> one entry per line: the text, or None where a line is not
-    UTF-8 text (with the reason, by line index): bad input costs its own line only."""
+    UTF-8 text (with the reason, by line index): bad input costs its own line only.
+
+    Lines end at ``\n`` alone (a ``\r`` before it is dropped): a lone ``\r``, which
+    Python's ``splitlines`` would take for a line break, is a space inside its line,
+    so the output keeps one line per input line whatever the bytes.
+    """
     lines: list[str | None] = []
     problems = []
-    for i, raw in enumerate(data.splitlines()):
+    body = data[:-1] if data.endswith(b"\n") else data
+    for i, raw in enumerate(body.split(b"\n") if data else []):
+        raw = raw.removesuffix(b"\r").replace(b"\r", b" ")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -61,6 +68,15 @@ def read_lines(data: bytes) -> tuple[list[str | None], list[tuple[int, str]]]:
             continue
         lines.append(text)
     return lines, problems
+
+
+def require_translation_run(config) -> None:
+    """Raises ConfigError unless ``config`` is a translation (Transformer) run's."""
+    if config.model.name != "transformer":
+        raise ConfigError(
+            f"this is a run of model.name='{config.model.name}', not a translation model: "
+            "only a Transformer run (configs/transformer_*.py) translates"
+        )
 
 
 def _encode(vocab, text: str, cap: int) -> np.ndarray:
@@ -93,11 +109,7 @@ def translate(
       ConfigError: not a translation run, more than one process, bad sizes.
       CheckpointError: no such checkpoint, or it cannot be read.
     """
-    if config.model.name != "transformer":
-        raise ConfigError(
-            f"trainer.translate needs a translation run; this one trains "
-            f"model.name='{config.model.name}'"
-        )
+    require_translation_run(config)
     if jax.process_count() > 1:
         raise ConfigError("trainer.translate runs as one process (it reads stdin)")
     if batch_size < 1 or max_length < 1:
@@ -108,7 +120,7 @@ def translate(
         step, variables = evaluation.restore_variables(model, workdir, step)
     params = variables["params"]
     decoder = task_lib.make_decoder(
-        model.task.model,
+        model.task.eval_model,
         beam_size=beam_size,
         max_decode_len=max_length,
         alpha=config.length_penalty,

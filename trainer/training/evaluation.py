@@ -95,10 +95,13 @@ EVENTS_SUBDIR = "evaluate"
 
 
 def record_result(workdir: str, step: int, metrics: dict[str, float], overrides: dict) -> None:
-    """Appends ``{"step", "eval/...", "overrides"}`` as one line to ``workdir/eval.jsonl``
-    and writes the metrics as TensorBoard events in ``workdir/evaluate/`` (shown by
-    ``tensorboard --logdir workdir`` as the run ``evaluate`` beside the training's)."""
+    """Appends ``{"step", "eval/...", "overrides"}`` as one line to ``workdir/eval.jsonl``."""
     out = storage.AppendOnlyFile(storage.path(workdir) / "eval.jsonl")
     out.write(json.dumps({"step": step, **metrics, "overrides": overrides}) + "\n")
     out.close()
+
+
+def record_events(workdir: str, step: int, metrics: dict[str, float]) -> None:
+    """Writes the metrics as TensorBoard events in ``workdir/evaluate/`` (shown by
+    ``tensorboard --logdir workdir`` as the run ``evaluate`` beside the training's)."""
     metrics_lib.write_events(storage.path(workdir) / EVENTS_SUBDIR, step, metrics)

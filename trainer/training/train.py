@@ -22,9 +22,10 @@ from trainer import checkpoint as checkpoint_lib
 from trainer.data import feed as feed_lib
 from trainer.parallel import batches, hardware
 from trainer.reporting import metrics as metrics_lib
+from trainer.reporting import rows as rows_lib
 from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
-from trainer.runtime import console, errors, faults, signals, storage
+from trainer.runtime import cli, console, errors, faults, signals, storage
 from trainer.runtime.errors import ConfigError, UserError
 from trainer.training import evaluation, init_from, profiling, stopping
 from trainer.training import experiment as experiment_lib
@@ -35,8 +36,19 @@ class NonFiniteLossError(UserError):
     """The loss became NaN or Inf."""
 
 
+# The train state counts steps in int32, and JAX (without x64) makes every Python
+# integer it is handed an int32: no integer of a config may be larger.
+INT_LIMIT = 2**31 - 1
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Fails early, with the numbers, on settings the loop cannot honour."""
+    for key, value in cli.flat_config(config).items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+            raise ConfigError(
+                f"{key}={value} is beyond what the run can represent: integers (step counts, "
+                f"sizes) must be at most 2**31-1 = {INT_LIMIT:,} (JAX counts in int32)"
+            )
     k = config.steps_per_loop
     if k < 1:
         raise ConfigError(f"steps_per_loop must be >= 1, got {k}")
@@ -83,19 +95,29 @@ def train(
     it to ``DIR/summary.json`` (:mod:`trainer.reporting.summary`).
     """
     check_config(config)
+    faults.check()
     directory = storage.workdir(workdir)
     init_from.check_source(config.init_from, directory)
     lock_timeout_s = config.workdir_lock_timeout_s
     report = summary_lib.RunReport(directory, started=started)
+    lead = jax.process_index() == 0
     with stopping.Run(directory, stop or signals.Signals(), lock_timeout_s=lock_timeout_s) as run:
-        state = _train(config, directory, run, report)
+        if lead:
+            report.begin()
+        try:
+            state = _train(config, directory, run, report)
+        except Exception as e:
+            if lead:
+                report.failed(e)
+            raise
         ended = time.perf_counter()
     report.add("save", time.perf_counter() - ended)  # the last save, waited for on the way out
-    if jax.process_index() == 0:
+    if lead:
         report.finish(
             global_batch_size=config.global_batch_size,
             newest_checkpoint=run.newest_checkpoint,
-            commands=summary_lib.commands(directory),
+            commands=summary_lib.commands(directory, evaluate_flags=_device_flags()),
+            stopped_by=run.signals.first if run.stopped_at is not None else None,
         )
     return state
 
@@ -161,8 +183,9 @@ def _train(
     # The config is accepted: record it, and drop metrics rows after the
     # restored step (a run that died after logging them wrote them).
     if lead:
-        (directory / "config.json").write_text(config.to_json_best_effort(indent=2))
-        metrics_lib.drop_rows_after(directory, int(state.step))
+        storage.write_atomically(directory / "config.json", config.to_json_best_effort(indent=2))
+        if skipped := metrics_lib.drop_rows_after(directory, int(state.step)):
+            errors.warn(rows_lib.skipped_warning(directory / "metrics.jsonl", skipped))
     writer = metrics_lib.MetricWriter(directory, enabled=lead)
     run.closes(writer.close)
     writer.log_config(config)
@@ -275,6 +298,13 @@ def _train(
             break
     profiler.stop(step)
     return state  # `run` waits for the last save and closes the files
+
+
+def _device_flags() -> str:
+    """The flags that give another command this run's devices: on simulated CPU
+    devices their number (the same mesh, hence the same numbers)."""
+    devices = jax.devices()
+    return f" --cpu_devices {len(devices)}" if devices[0].platform == "cpu" else ""
 
 
 def _peak_flops_per_device(config: ml_collections.ConfigDict, devices) -> float:
