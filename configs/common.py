@@ -36,6 +36,12 @@ def base_config() -> ml_collections.ConfigDict:
     # On CPU, measure this machine's f32 matmul peak at the run's start and report MFU
     # against it (labelled so: it moves with the machine's load).
     config.measure_cpu_peak = False
+    # XLA and libtpu options for every compile of the training loop, by the trainer and
+    # by trainer.aot alike: "name=value" pairs separated by spaces, e.g.
+    # "xla_tpu_decompose_every_reduce_scatters_hlos=true" (merges a step's small
+    # reduce-scatters into a few fused ones on TPU; README, "Collectives"). A name the
+    # back end does not know fails the compile.
+    config.compiler_options = ""
     # The dtype evaluation computes in (eval loss and accuracy, BLEU's decoding, HR@10):
     # float32 gives the same metrics on any device count and mesh; in bfloat16 the
     # per-device shapes change XLA's summation order inside each matmul, and the
@@ -105,6 +111,11 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.shard_group_size = 0
     # Parameters with fewer bytes per device (after model sharding) stay replicated.
     config.optimizer.min_shard_bytes = 65536
+    # Sharded parameters that each gather at most this many bytes per device share
+    # all-gathers of up to this size (their shards concatenated, gathered once, cut
+    # apart): fewer rings for many small tensors. 0 = one all-gather per parameter.
+    # (Their reduce-scatters merge in the TPU compiler: compiler_options above.)
+    config.optimizer.gather_bucket_bytes = 0
     # Layouts may pad a tensor by at most this fraction; else it stays replicated
     # (at 1/3 the padded reduce-scatter + bf16 gather move as much as an all-reduce).
     config.optimizer.max_shard_padding = 0.25

@@ -70,6 +70,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             param_dtype="float32",
             # Activation rematerialisation per layer: none | full | dots | dots_no_batch.
             remat="none",
+            # One nn.scan over each stack of 6 layers, parameters stored [6, ...]: a
+            # step then gathers and reduces each kind of weight once, not once per layer.
+            scan_layers=False,
+            # Layers per iteration of those scans (>= 6: unrolled, as without scan).
+            scan_unroll=1,
         )
     )
     config.data = common.data_config(
@@ -107,6 +112,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         ("heads", "model"),
         ("kv", None),
         ("length", None),
+        ("layers", None),  # the stacked layers of model.scan_layers: never split
     )
 
     parts = common.variant_parts(variant, VARIANTS)

@@ -12,8 +12,9 @@ The search is model-agnostic: it calls ``step_fn(cache, tokens, index)`` for the
 logits of the next token of every hypothesis (``models/decode.py`` wires the
 Transformer's key/value cache to it). Hypotheses live in a flat ``[batch * beam]``
 dim (beam-major within each batch row), so a model sees an ordinary batch; after
-each step the rows of every cache leaf with that leading dim are reordered to
-follow their hypotheses. Scalar cache leaves (the cache index) are shared.
+each step the rows of every cache leaf with that dim (leading, or at ``cache_axis``:
+a stack of layers' caches is ``[layers, rows, ...]``) are reordered to follow their
+hypotheses. Other leaves (the cache index) are shared.
 
 Per step, for each batch row: the ``beam`` live hypotheses are extended by every
 token; the ``2 * beam`` best extensions are kept (at most ``beam`` of them end in
@@ -58,17 +59,19 @@ def _gather_beams(x: jax.Array, beams: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)
 
 
-def _reorder_cache(cache: Any, beams: jax.Array) -> Any:
-    """Moves the cache rows of the hypotheses each new beam slot continues."""
+def _reorder_cache(cache: Any, beams: jax.Array, axis: int = 0) -> Any:
+    """Moves the cache rows (dim ``axis``) of the hypotheses each new beam slot continues."""
     batch, beam = beams.shape
 
     def one(x):
-        if x.ndim == 0 or x.shape[0] != batch * beam:
+        if x.ndim <= axis or x.shape[axis] != batch * beam:
             return x  # shared across hypotheses (e.g. the cache index)
         # Reshaped to [batch, beam, ...], the gather stays within a batch row, so a
         # batch split over devices stays local.
-        rows = x.reshape(batch, beam, *x.shape[1:])
-        return _gather_beams(rows, beams).reshape(x.shape)
+        rows = jnp.moveaxis(x, axis, 0)
+        rows = rows.reshape(batch, beam, *rows.shape[1:])
+        rows = _gather_beams(rows, beams).reshape(batch * beam, *rows.shape[2:])
+        return jnp.moveaxis(rows, 0, axis)
 
     return jax.tree.map(one, cache)
 
@@ -84,6 +87,7 @@ def beam_search(
     alpha: float,
     pad_id: int = 0,
     bos_id: int = 0,
+    cache_axis: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Finds the ``beam_size`` best outputs of every batch row; jit-friendly.
 
@@ -101,6 +105,7 @@ def beam_search(
       alpha: length-penalty exponent, >= 0.
       pad_id: never emitted; fills outputs after EOS.
       bos_id: the first token fed to ``step_fn``.
+      cache_axis: the dim of the cache leaves that holds the ``batch * beam`` rows.
 
     Returns:
       (int32 [batch, beam, max_len] outputs, float32 [batch, beam] scores), best
@@ -136,7 +141,7 @@ def beam_search(
         # Live: the best extensions that did not end.
         alive_logp, keep = jax.lax.top_k(jnp.where(ended, NEG_INF, top_logp), beam)
         alive_seqs = _gather_beams(seqs, keep)
-        cache = _reorder_cache(cache, _gather_beams(origin, keep))
+        cache = _reorder_cache(cache, _gather_beams(origin, keep), cache_axis)
 
         # Finished: merge the ones that ended now into the best so far.
         scores = jnp.where(ended, top_logp / length_penalty(i + 1, alpha), NEG_INF)

@@ -151,6 +151,8 @@ def beam_decode(
         max_len=max_decode_len,
         eos_id=eos_id,
         alpha=alpha,
+        # Scanned layers keep their caches stacked: [layers, rows, ...].
+        cache_axis=1 if model.config.scan_layers else 0,
     )
 
 

@@ -19,7 +19,9 @@ POLICIES = {
 }
 
 
-def remat_layer(layer: type[nn.Module], policy: str, static_argnums: tuple[int, ...]):
+def remat_layer(
+    layer: type[nn.Module], policy: str, static_argnums: tuple[int, ...], *, in_scan: bool = False
+):
     """``layer`` as is for ``policy="none"``, else rematerialised under ``policy``.
 
     Args:
@@ -27,9 +29,14 @@ def remat_layer(layer: type[nn.Module], policy: str, static_argnums: tuple[int, 
       policy: a key of :data:`POLICIES`.
       static_argnums: positions of the call's non-array arguments (``self`` is 0),
         e.g. a ``train`` flag, which must be passed positionally.
+      in_scan: the layer is the body of a ``scan`` (stacked layers). A scan already
+        keeps XLA from merging the recomputation back into the forward pass, so the
+        barriers that ``prevent_cse`` adds would only cost time there.
     """
     if policy not in POLICIES:
         raise ValueError(f"remat must be one of {sorted(POLICIES)}, got '{policy}'")
     if policy == "none":
         return layer
-    return nn.remat(layer, policy=POLICIES[policy], static_argnums=static_argnums)
+    return nn.remat(
+        layer, policy=POLICIES[policy], static_argnums=static_argnums, prevent_cse=not in_scan
+    )

@@ -57,6 +57,14 @@ class TransformerConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     remat: str = "none"  # per-layer activation rematerialisation, see models/remat.py
+    # One `nn.scan` over each stack of layers, parameters stored [layers, ...] (logical
+    # axis "layers"), instead of one module per layer: the step then has one gradient,
+    # one gather and one reduction per kind of weight rather than per layer, and
+    # compiles once per stack. Checkpoints convert between the two layouts
+    # (trainer/checkpoint/relayout.py: `encoder_layers_3/...` is `encoder_layers/...`[3]).
+    scan_layers: bool = False
+    # Layers per iteration of those scans (>= the stack's depth: no loop at all).
+    scan_unroll: int = 1
     decode: bool = False
 
 
@@ -138,9 +146,15 @@ class MultiHeadAttention(nn.Module):
             w = self.param(name, _named(init, *names), shape, cfg.param_dtype)
             return w.astype(cfg.dtype)
 
-        proj = ((cfg.emb_dim, cfg.num_heads, head_dim), ("embed", "heads", "kv"), (0,))
+        # [heads, head_dim, embed], the contracted embed dim minor, like the output
+        # projection's: the TPU compiler lays these weights (and their gradients) out
+        # embed-minor whatever their logical order, and with embed last that is the
+        # row-major layout, so the gradient's reduce-scatter over heads x head_dim
+        # (a stack's layers first) is a true one. With embed first it ran as an
+        # all-reduce of the stacked gradients (libtpu 0.0.42.1, v3:32x32).
+        proj = ((cfg.num_heads, head_dim, cfg.emb_dim), ("heads", "kv", "embed"), (2,))
         q, k, v = (
-            jnp.einsum("ble,ehd->blhd", x, kernel(n, *proj))
+            jnp.einsum("ble,hde->blhd", x, kernel(n, *proj))
             for n, x in (("query", x_q), ("key", x_kv), ("value", x_kv))
         )
         # [batch, length, heads, head_dim] bf16
@@ -182,29 +196,35 @@ def _add_residual(x: Array, y: Array, rate: float, train: bool) -> Array:
 
 
 class EncoderLayer(nn.Module):
-    """Pre-LN encoder layer: self-attention and MLP, each as x + dropout(f(LN(x)))."""
+    """Pre-LN encoder layer: self-attention and MLP, each as x + dropout(f(LN(x))).
+
+    Under `config.scan_layers` it is a scan body: it returns `(x, None)` (carry, no
+    per-layer output).
+    """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, train: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, train: bool) -> Array | tuple[Array, None]:
         cfg = self.config
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="attention_norm")(x)
         h = MultiHeadAttention(cfg, name="attention")(h, h, mask, train=train)
         x = _add_residual(x, h, cfg.dropout_rate, train)
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="mlp_norm")(x)
-        return _add_residual(x, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+        x = _add_residual(x, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+        return (x, None) if cfg.scan_layers else x
 
 
 class DecoderLayer(nn.Module):
-    """Pre-LN decoder layer: causal self-attention, cross-attention, MLP."""
+    """Pre-LN decoder layer: causal self-attention, cross-attention, MLP (a scan body
+    under `config.scan_layers`, as `EncoderLayer`)."""
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(
         self, y: Array, encoded: Array, self_mask: Array | None, cross_mask: Array, train: bool
-    ) -> Array:
+    ) -> Array | tuple[Array, None]:
         cfg = self.config
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="self_attention_norm")(y)
         h = MultiHeadAttention(cfg, cache=cfg.decode, name="self_attention")(
@@ -215,7 +235,23 @@ class DecoderLayer(nn.Module):
         h = MultiHeadAttention(cfg, name="cross_attention")(h, encoded, cross_mask, train=train)
         y = _add_residual(y, h, cfg.dropout_rate, train)
         h = LayerNorm(cfg.dtype, cfg.param_dtype, name="mlp_norm")(y)
-        return _add_residual(y, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+        y = _add_residual(y, MlpBlock(cfg, name="mlp")(h), cfg.dropout_rate, train)
+        return (y, None) if cfg.scan_layers else y
+
+
+def _scanned(layer: Any, cfg: TransformerConfig, length: int, broadcast: int, name: str):
+    """`length` copies of `layer` as one `nn.scan`: parameters (and a decoding cache)
+    stacked on a leading "layers" axis, dropout keys split per layer, the `broadcast`
+    arguments after the carry the same for every layer."""
+    return nn.scan(
+        layer,
+        variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * broadcast,
+        length=length,
+        unroll=min(cfg.scan_unroll, length),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, name=name)
 
 
 class Transformer(nn.Module):
@@ -238,10 +274,19 @@ class Transformer(nn.Module):
             self.decoder_embedding = Embedding(**table)
             self.logits_embedding = Embedding(**table)
         # `train` is passed positionally: a static argument of the remat'd layers.
-        encoder_layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,))
-        decoder_layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(5,))
-        self.encoder_layers = [encoder_layer(cfg) for _ in range(cfg.num_encoder_layers)]
-        self.decoder_layers = [decoder_layer(cfg) for _ in range(cfg.num_decoder_layers)]
+        scan = cfg.scan_layers
+        encoder_layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,), in_scan=scan)
+        decoder_layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(5,), in_scan=scan)
+        if scan:
+            self.encoder_layers = _scanned(
+                encoder_layer, cfg, cfg.num_encoder_layers, 2, "encoder_layers"
+            )
+            self.decoder_layers = _scanned(
+                decoder_layer, cfg, cfg.num_decoder_layers, 4, "decoder_layers"
+            )
+        else:
+            self.encoder_layers = [encoder_layer(cfg) for _ in range(cfg.num_encoder_layers)]
+            self.decoder_layers = [decoder_layer(cfg) for _ in range(cfg.num_decoder_layers)]
         self.encoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.decoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
@@ -276,8 +321,11 @@ class Transformer(nn.Module):
         x = self._embed("encoder", inputs, inputs_positions, train)
         seg = inputs_segmentation
         mask = attention_mask(inputs > 0, inputs > 0, seg, seg)
-        for layer in self.encoder_layers:
-            x = layer(x, mask, train)
+        if self.config.scan_layers:
+            x, _ = self.encoder_layers(x, mask, train)
+        else:
+            for layer in self.encoder_layers:
+                x = layer(x, mask, train)
         return self.encoder_norm(x)
 
     def decode(
@@ -308,8 +356,11 @@ class Transformer(nn.Module):
             self_mask = attention_mask(valid, valid, seg, seg, causal=True)
             cross_mask = attention_mask(valid, inputs > 0, seg, inputs_segmentation)
         y = self._embed("decoder", decoder_inputs, targets_positions, train)
-        for layer in self.decoder_layers:
-            y = layer(y, encoded, self_mask, cross_mask, train)
+        if self.config.scan_layers:
+            y, _ = self.decoder_layers(y, encoded, self_mask, cross_mask, train)
+        else:
+            for layer in self.decoder_layers:
+                y = layer(y, encoded, self_mask, cross_mask, train)
         logits = self._table("logits").attend(self.decoder_norm(y))
         # [batch, target_len, vocab] float32
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

@@ -127,7 +127,9 @@ TINY_TRANSFORMER = {
 
 def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulate=1):
     """A 1+1-layer Transformer on random tokens for exact step comparisons: ``mesh`` is
-    data8, data4_model2, group2 (shard_group_size 2) or devices6."""
+    data8, data4_model2, group2 (shard_group_size 2), devices6, buckets (data8, every
+    sharded parameter gathered in shared all-gathers) or scanned (data8, 2+2 layers
+    in layer stacks)."""
     config = transformer_1024.get_config("tiny,synthetic")
     config.model.update(**TINY_TRANSFORMER, dtype=dtype)
     config.data.update(vocab_size=64, max_length=8)
@@ -151,6 +153,10 @@ def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulat
     elif mesh == "devices6":
         config.mesh.num_devices = 6
         config.global_batch_size = 12
+    elif mesh == "buckets":
+        config.optimizer.gather_bucket_bytes = 1 << 20
+    elif mesh == "scanned":
+        config.model.update(num_encoder_layers=2, num_decoder_layers=2, scan_layers=True)
     return config
 
 

@@ -80,6 +80,8 @@ def report(results: dict[str, dict]) -> None:
             if c["per_step"]:
                 how = c["emitter"] + (f"/{c['strategy']}" if c["strategy"] else "")
                 how += f" x{c['colors']}" if c["colors"] > 1 else ""
+                how += ", both ways" if c["both_ways"] else ", one way"
+                how += "" if c["reading"] == "read" else " (assumed: no reading)"
                 key = (c["kind"], c["dtype"], c["bytes"], c["group_size"], c["async"], how)
                 entry = counts.setdefault(key, [0, 0.0])
                 entry[0] += 1
@@ -126,7 +128,7 @@ def report(results: dict[str, dict]) -> None:
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
     # The host only compiles: keep JAX's default backend on CPU.
-    process.setup(cpu_devices=1)
+    process.setup(cpu_devices=1, compiles_for_tpu=True)
     from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
 
     config = _CONFIG.value

@@ -361,3 +361,47 @@ def test_groups_on_a_v3_row_get_true_reduce_scatters():
     across = [c for c in step if c["kind"] == "all-reduce" and c["group_size"] == 2]
     assert sum(c["bytes"] for c in across) == sharded // 16
     assert sum(c["bytes"] for c in scatters) >= sharded
+
+
+def test_scanned_layers_keep_the_collectives_per_step_whatever_the_depth():
+    """With model.scan_layers, each kind of weight is one stacked tensor: a grouped wus
+    step on v3:4x4 (groups of 16, two rows) reduce-scatters and gathers each once,
+    however many layers the stacks hold; one module per layer runs one per layer."""
+    try:
+        devices = compiled_lib.topology_devices("v3:4x4")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot load here: {e}")
+
+    def group_collectives(layers, scan):
+        config = tiny_config(
+            **{
+                "model.emb_dim": 512,
+                "model.qkv_dim": 512,
+                "model.num_heads": 8,
+                "model.mlp_dim": 2048,
+                "model.vocab_size": 4096,
+                "model.num_encoder_layers": layers,
+                "model.num_decoder_layers": layers,
+                "model.scan_layers": scan,
+                "optimizer.shard_group_size": 16,
+                "optimizer.min_shard_bytes": 65536,
+                "global_batch_size": 32,
+            }
+        )
+        config.data.vocab_size = 4096
+        r = compiled_lib.analyze(config, devices, "wus")
+        kinds = ("reduce-scatter", "all-gather")
+        step = [c for c in r["collectives"] if c["per_step"] and c["group_size"] == 16]
+        exp = experiment.build(config, devices=devices, with_data=False)
+        layouts = jax.tree.leaves(exp.plan.layouts, is_leaf=lambda x: hasattr(x, "sharded"))
+        return {k: sum(c["kind"] == k for c in step) for k in kinds}, sum(
+            lay.sharded for lay in layouts
+        )
+
+    counts, stacks = group_collectives(2, True)
+    # Encoder: q, k, v, out, wi, wo; decoder: self and cross attention, wi, wo; the table.
+    assert stacks == 6 + 10 + 1
+    assert counts == {"reduce-scatter": stacks, "all-gather": stacks}
+    assert group_collectives(3, True) == (counts, stacks)
+    per_layer, leaves = group_collectives(2, False)
+    assert leaves == 2 * 16 + 1 and per_layer["reduce-scatter"] > 2 * stacks - 4

@@ -235,24 +235,27 @@ def _coll(kind, size, group, algorithm=None, is_async=False, in_loop=True):
 RING = hlo.Algorithm("SingleInputAllReduceScatterFusion", "StrategyRing", 1, 1, 1)
 
 
-def test_a_ring_on_a_wrapped_row_uses_each_link_once():
+def test_a_ring_on_a_wrapped_row_runs_both_ways_round():
     pod = _torus(32, 32)
     assert pod.wraps == (True, True) and pod.cores_per_chip == 2
     row = list(range(64))  # chips (0..31, 0), both cores of each, in JAX's order
     size = 2**30
     scatter = _coll("reduce-scatter", size // 64, row, RING)
-    # One one-way route around 32 chips: each member's 63/64 of the buffer over one
-    # 656 Gbit/s link (the wrap-around link closes the ring: one hop a step).
-    transfer = 63 / 64 * size / V3.ici_link_bandwidth
+    # libtpu's StrategyRing sends half the shards each way round the row (its LLO:
+    # cw and ccw DMAs, 32 steps): each member's 63/64 of the buffer, half over each
+    # direction of the 656 Gbit/s links (the wrap-around link closes the ring).
+    transfer = 63 / 64 * size / (2 * V3.ici_link_bandwidth)
+    assert costmodel.reading(scatter).both_ways
     assert costmodel.collective_seconds(scatter, pod) == pytest.approx(transfer)
-    # Both ways round: half; every dimension at once and both ways: the same here.
-    assert costmodel.collective_seconds(scatter, pod, "bidirectional") == pytest.approx(
-        transfer / 2
-    )
-    # Latency added rather than hidden: 63 steps of one hop.
-    hop = costmodel.MEASURED_HOP_LATENCY_S
+    assert costmodel.collective_seconds(scatter, pod, "bidirectional") == pytest.approx(transfer)
+    # A one-way ring (an algorithm with no reading) takes twice as long.
+    unread = _coll("reduce-scatter", size // 64, row, hlo.Algorithm("SomethingNew"))
+    assert "assumed one one-way ring" in costmodel.reading(unread).note
+    assert costmodel.collective_seconds(unread, pod) == pytest.approx(2 * transfer)
+    # Latency added rather than hidden: 32 steps of one hop, and the fixed 5 us.
     pessimistic = costmodel.collective_seconds(scatter, pod, "pessimistic")
-    assert pessimistic == pytest.approx(transfer + 63 * hop)
+    hop = costmodel.HOP_LATENCY_S
+    assert pessimistic == pytest.approx(transfer + 32 * hop + costmodel.FIXED_LATENCY_S)
     # An all-reduce is a reduce-scatter then an all-gather.
     reduce = dataclasses.replace(scatter, kind="all-reduce", result_bytes=size)
     assert costmodel.collective_seconds(reduce, pod) == pytest.approx(2 * transfer)
@@ -269,8 +272,8 @@ def test_a_ring_through_a_block_pays_its_long_hop():
     small = _coll("reduce-scatter", 2**12, order, RING)  # latency-bound
     row = _coll("reduce-scatter", 2**12, list(range(64)), RING)
     block = costmodel.collective_seconds(small, pod)
-    assert block == pytest.approx(63 * 16 * costmodel.HOP_LATENCY_S)
-    assert costmodel.collective_seconds(row, pod) == pytest.approx(63 * costmodel.HOP_LATENCY_S)
+    assert block == pytest.approx(32 * 16 * costmodel.HOP_LATENCY_S)
+    assert costmodel.collective_seconds(row, pod) == pytest.approx(32 * costmodel.HOP_LATENCY_S)
 
 
 def test_assumptions_are_ordered_and_nd_algorithms_run_by_phases():
@@ -279,54 +282,86 @@ def test_assumptions_are_ordered_and_nd_algorithms_run_by_phases():
     everyone = _coll("all-reduce", 2**30, range(2048), nd)
     seconds = [costmodel.collective_seconds(everyone, pod, a) for a in costmodel.ASSUMPTIONS]
     assert seconds == sorted(seconds)
+    link = V3.ici_link_bandwidth
     # Optimistic: both torus dimensions both ways, the scaling book's 2 V / (W_bidi x 2).
-    assert seconds[0] == pytest.approx(2 * 1023 / 1024 * 2**30 / (4 * V3.ici_link_bandwidth))
-    # Compiler-literal: x (64 cores on 32 chips) then y (32 chips) on what is left.
-    x_phase = 63 / 64 * 2**30 / V3.ici_link_bandwidth
-    y_phase = 31 / 32 * 2**30 / 64 / V3.ici_link_bandwidth
-    assert seconds[2] == pytest.approx(2 * (x_phase + y_phase))
+    assert seconds[0] == pytest.approx(2 * 1023 / 1024 * 2**30 / (4 * link))
+    # Compiler-literal: rings of 64 cores on 32 chips, then of 32 chips on what is left,
+    # each both ways round (the LLO of StrategyND{colors:1 phases:2 cores:{64 32}}).
+    first = 63 / 64 * 2**30 / (2 * link)
+    second = 31 / 32 * 2**30 / 64 / (2 * link)
+    assert seconds[2] == pytest.approx(2 * (first + second))
     # The cores of one chip only copy through HBM.
     same_chip = costmodel.collective_seconds(_coll("all-reduce", 2**30, [0, 1]), pod)
     assert same_chip == pytest.approx(2**30 / V3.hbm_bandwidth(2))
 
 
-def test_a_line_and_shared_chips():
+def test_a_line_gains_nothing_both_ways_and_chips_share_links():
     small = _torus(4, 4)
     assert small.wraps == (False, False)  # a 4x4 slice of a 32x32 pod has no wrap-around
-    # A row of 4 chips without wrap-around: the ring's last step goes back 3 hops.
-    row = _coll("all-gather", 2**12, list(range(8)), RING)
+    # A row of 4 chips without wrap-around: the ring closes with a 3-hop message back
+    # over the same links, so running it both ways loads each link direction twice:
+    # no faster than one way, in ceil(7/2) = 4 steps of 3 hops (libtpu's LLO: 4 + 3
+    # shards, the closing message 3 hops).
+    size = 2**28
+    row = _coll("reduce-scatter", size // 8, list(range(8)), RING)
     assert costmodel.collective_seconds(row, small) == pytest.approx(
-        7 * 3 * costmodel.HOP_LATENCY_S
+        7 / 8 * size / V3.ici_link_bandwidth
+    )
+    latency_bound = _coll("reduce-scatter", 2**9, list(range(8)), RING)
+    assert costmodel.collective_seconds(latency_bound, small) == pytest.approx(
+        4 * 3 * costmodel.HOP_LATENCY_S
     )
     # One core of each chip of a row: the other cores run their own ring on the same
     # links, so each gets half of them.
     pod = _torus(32, 32)
-    size = 2**28
     half = _coll("all-gather", size, [2 * i for i in range(32)], RING)
     assert costmodel.collective_seconds(half, pod) == pytest.approx(
-        31 / 32 * size / (V3.ici_link_bandwidth / 2)
+        31 / 32 * size / (2 * V3.ici_link_bandwidth / 2)
     )
+
+
+def test_the_2d_all_gather_carries_half_again_over_the_chips():
+    pod = _torus(32, 32)
+    row = list(range(64))
+    gather = hlo.Algorithm("2DAllGatherOnMajorDim", "", 1, 1, 2)
+    big = _coll("all-gather", 2**26, row, gather)  # 1 MiB shards
+    small = _coll("all-gather", 64 * 2**12, row, gather)  # 4 KiB shards
+    assert costmodel.reading(big).bytes_factor == 1.5
+    assert costmodel.reading(small).bytes_factor == 1.0
+    # The row is one torus dimension with the cores of each chip: one ring phase.
+    assert costmodel.collective_seconds(big, pod) == pytest.approx(
+        1.5 * 63 / 64 * 2**26 / (2 * V3.ici_link_bandwidth)
+    )
+    assert costmodel.reading(big).steps_of(64) == 62 and costmodel.reading(small).steps_of(64) == 32
 
 
 def test_step_estimate_bounds():
     pod = _torus(4, 4)
     colls = [
         _coll("all-reduce", 2**26, range(32)),
-        _coll("all-gather", 2**25, range(32), is_async=True),
+        dataclasses.replace(
+            _coll("all-gather", 2**25, range(32), is_async=True), name="all-gather-start.1"
+        ),
         _coll("all-reduce", 2**26, range(32), in_loop=False),  # once per K steps
     ]
     compute = costmodel.roofline_seconds(1e12, 1e9, V3, 2)
     assert compute == pytest.approx(max(1e12 / 61.5e12, 1e9 / 450e9))
     est, secs = costmodel.estimate_step(
-        compute_s=compute, collectives=colls, topo=pod, steps_per_loop=10, has_loop=True
+        compute_s=compute,
+        collectives=colls,
+        topo=pod,
+        steps_per_loop=10,
+        has_loop=True,
+        windows_s={"all-gather-start.1": 1e-4},  # 0.1 ms of work while it runs
     )
     assert est.compute_s == compute
     assert secs[2] == pytest.approx(secs[0] / 10)
     assert est.sync_collective_s == pytest.approx(secs[0] + secs[2])
     assert est.async_collective_s == pytest.approx(secs[1])
-    assert est.overlap_s == pytest.approx(max(est.compute_s, secs[1]) + secs[0] + secs[2])
+    assert est.hidden_s == pytest.approx(min(secs[1], 1e-4)) and est.hidden_s > 0
+    assert est.overlap_s == pytest.approx(compute + sum(secs) - est.hidden_s)
     assert est.no_overlap_s == pytest.approx(est.compute_s + sum(secs))
-    assert est.overlap_s <= est.no_overlap_s
+    assert est.overlap_s < est.no_overlap_s
     more = dataclasses.replace(colls[0], result_bytes=2**27)
     bigger, _ = costmodel.estimate_step(
         compute_s=compute,
@@ -336,3 +371,43 @@ def test_step_estimate_bounds():
         has_loop=True,
     )
     assert bigger.no_overlap_s > est.no_overlap_s
+
+
+def test_an_async_collective_overlaps_what_the_schedule_runs_meanwhile():
+    from trainer.analysis import schedule
+
+    # A start/done pair around a fusion that moves 3 MiB; a fused gather (XLA's async
+    # collective fusion) counted once, overlapping its kernel's own bytes.
+    text = """HloModule m, is_scheduled=true
+
+%fused_start (p0: bf16[64,1024]) -> bf16[512,1024] {
+  %p0 = bf16[64,1024]{1,0} parameter(0)
+  ROOT %ag0 = bf16[512,1024]{1,0} all-gather(%p0), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+%async_collective_fusion.1 (p1: bf16[64,1024], w: bf16[512,1024]) -> bf16[512,512] {
+  %p1 = bf16[64,1024]{1,0} parameter(0)
+  %w = bf16[512,1024]{1,0} parameter(1)
+  %ag = bf16[512,1024]{1,0} all-gather(%p1), replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %mm = bf16[512,512]{1,0} convolution(%w, %w), dim_labels=bf_oi->bf
+}
+
+ENTRY %main (x: f32[512,512], s: bf16[64,1024], w: bf16[512,1024]) -> f32[512,512] {
+  %x = f32[512,512]{1,0} parameter(0)
+  %s = bf16[64,1024]{1,0} parameter(1)
+  %w = bf16[512,1024]{1,0} parameter(2)
+  %ags = (bf16[64,1024]{1,0}, bf16[512,1024]{1,0}) all-gather-start(%s), replica_groups=[1,8]<=[8]
+  %f = f32[512,512]{1,0} fusion(%x), kind=kLoop, calls=%body
+  %agd = bf16[512,1024]{1,0} all-gather-done(%ags)
+  %async-collective-start = bf16[512,1024]{1,0} fusion(%s), calls=%fused_start
+  %k = bf16[512,512]{1,0} fusion(%s, %w), kind=kCustom, calls=%async_collective_fusion.1
+  ROOT %r = f32[512,512]{1,0} add(%f, %f)
+}
+"""
+    found = hlo.collectives(text, 8)
+    kinds = [(c.name, c.is_async, c.fused_with) for c in found if c.kind == "all-gather"]
+    # The gather of the start fusion is its bookkeeping, not a second collective.
+    assert sorted(kinds) == [("ag", True, "k"), ("ags", True, "")]
+    windows = schedule.window_bytes(text, found)
+    assert windows["ags"] == 2 * 512 * 512 * 4  # the fusion between: its operand, its result
+    assert windows["ag"] == 512 * 512 * 2 + 64 * 1024 * 2 + 512 * 1024 * 2  # the kernel's

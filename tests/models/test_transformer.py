@@ -324,3 +324,65 @@ def test_cross_entropy_and_metrics():
     assert m["weight"] == 3.0 and m["accuracy"] == 2.0
     np.testing.assert_allclose(loss, 50.0, rtol=1e-4)  # the one wrong token costs ~50 nats
     np.testing.assert_allclose(m["nll"], loss)
+
+
+@pytest.fixture(scope="module")
+def f32_layers():
+    """Float32 compute, 2 encoder and 3 decoder layers (stacks worth the name)."""
+    return build(tiny(dtype=jnp.float32, num_encoder_layers=2, num_decoder_layers=3))
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_scanned_layers_compute_what_the_unscanned_ones_do(f32_layers, remat):
+    from flax import traverse_util
+
+    from models import stacking
+    from models.decode import beam_decode
+
+    model, variables, apply = f32_layers
+    layers = {"num_encoder_layers": 2, "num_decoder_layers": 3}
+    scanned = Transformer(tiny(dtype=jnp.float32, scan_layers=True, remat=remat, **layers))
+    shapes = jax.eval_shape(scanned.init, jax.random.PRNGKey(0), **packed_batch(0))
+    names = {
+        v.names
+        for v in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        if isinstance(v, nn.Partitioned) and v.value.ndim == 4
+    }
+    assert ("layers", "heads", "kv", "embed") in names  # stacked on a named leading axis
+    # The unscanned parameters, stacked by the checkpoint converter.
+    flat = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+    wanted = traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
+    sources = stacking.match(wanted, flat)
+    assert sorted(sources) == sorted(wanted)
+    assert sources["encoder_layers/mlp/wi/kernel"].names == (
+        "encoder_layers_0/mlp/wi/kernel",
+        "encoder_layers_1/mlp/wi/kernel",
+    )
+    params = traverse_util.unflatten_dict(stacking.assemble(sources, flat), sep="/")
+    batch = packed_batch(80)
+    logits = jax.jit(scanned.apply)({"params": params}, **batch)
+    np.testing.assert_allclose(logits, apply(variables, **batch), atol=2e-5)
+
+    # Gradients: the stacked gradient is the per-layer gradients, stacked.
+    def loss(model, p):
+        return jnp.sum(jnp.square(model.apply({"params": p}, **batch)))
+
+    g_scan = jax.jit(jax.grad(functools.partial(loss, scanned)))(params)
+    g_layers = jax.jit(jax.grad(functools.partial(loss, model)))(nn.unbox(variables["params"]))
+    g_layers = traverse_util.flatten_dict(g_layers, sep="/")
+    for name, g in traverse_util.flatten_dict(g_scan, sep="/").items():
+        want = stacking.assemble({name: sources[name]}, g_layers)[name]
+        scale = float(np.abs(want).max())  # f32 sums in another order: relative to the tensor
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6 * scale, err_msg=name)
+    # Decoding with the stacked key/value caches, greedy and beam search.
+    inputs = tokens(81, INPUTS).at[1, 7:].set(0)
+    greedy = functools.partial(greedy_decode, max_decode_len=6)
+    np.testing.assert_array_equal(
+        jax.jit(greedy, static_argnums=0)(scanned, params, inputs),
+        jax.jit(greedy, static_argnums=0)(model, variables["params"], inputs),
+    )
+    beam = functools.partial(beam_decode, beam_size=3, max_decode_len=6, alpha=0.6)
+    out_scan, scores_scan = jax.jit(beam, static_argnums=0)(scanned, params, inputs)
+    out, scores = jax.jit(beam, static_argnums=0)(model, variables["params"], inputs)
+    np.testing.assert_array_equal(out_scan, out)
+    np.testing.assert_allclose(scores_scan, scores, rtol=1e-5)

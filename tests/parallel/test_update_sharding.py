@@ -308,6 +308,23 @@ def test_wus_step_collectives(mesh):
     assert bool(others) == (mesh == "data4_model2")
 
 
+def test_buckets_gather_small_weights_together():
+    # After SPMD partitioning (CPU HLO): one bf16 all-gather per bucket, of the bucket's
+    # bytes, and one for each parameter in none; the reduce-scatters stay per parameter.
+    exp, layouts, low, found = _step_collectives("wus", "buckets")
+    buckets = exp.plan.gather_buckets
+    assert buckets and all(len(b) > 1 for b in buckets)
+    bucketed = {i for b in buckets for i in b}
+    sharded = [i for i, lay in enumerate(layouts) if lay.sharded]
+    gathers = sorted(c.result_bytes for c in found if c.kind == "all-gather")
+    want = [2 * sum(math.prod(layouts[i].stored_shape) for i in b) for b in buckets]
+    want += [2 * math.prod(layouts[i].stored_shape) for i in sharded if i not in bucketed]
+    assert gathers == sorted(want)
+    assert len(gathers) < len(sharded)
+    scatters = [c for c in found if c.kind == "reduce-scatter"]
+    assert len(scatters) == len(sharded)
+
+
 def test_accumulation_keeps_one_gather_and_one_reduce_per_step():
     exp, layouts, low, found = _step_collectives("wus", accumulate=2)
     _check_weight_collectives(exp, layouts, low, found, gathers_per_step=1, depth=1)

@@ -300,7 +300,7 @@ def test_init_from_lists_every_mismatch(run, data_dir, tmp_path):
     message = str(error.value)
     assert "init_from: 30 parameters do not fit checkpoint 40 of" in message
     assert "encoder_layers_0/mlp/wi/kernel is (64, 256) there, (64, 128) here" in message
-    assert "decoder_layers_2/cross_attention/key (64, 4, 16) is missing" in message
+    assert "decoder_layers_2/cross_attention/key (4, 16, 64) is missing" in message
     config = tiny(data_dir, init_from=run, init_from_skip=("nothing/*",))
     with pytest.raises(ConfigError, match=r"init_from_skip patterns \['nothing/\*'\] match no"):
         train_lib.train(config, str(tmp_path))
@@ -479,3 +479,32 @@ def test_translate_input_lines_end_at_newlines_only():
         data = rng.integers(0, 256, rng.integers(0, 400), dtype=np.uint8).tobytes()
         expected = data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
         assert len(decoding.read_lines(data)[0]) == expected
+
+
+def test_export_and_init_from_convert_between_layer_stacks_and_layers(run, data_dir, tmp_path):
+    from trainer.training import init_from
+
+    export_lib.export(run, str(tmp_path / "layers"))
+    export_lib.export(run, str(tmp_path / "stacked"), scan_layers=True)
+    layers = ocp.StandardCheckpointer().restore(str(tmp_path / "layers"))
+    stacked = ocp.StandardCheckpointer().restore(str(tmp_path / "stacked"))
+    assert "encoder_layers_0" in layers and "encoder_layers_0" not in stacked
+    query = stacked["encoder_layers"]["attention"]["query"]
+    assert query.shape == (2, 4, 16, 64)
+    np.testing.assert_array_equal(query[1], layers["encoder_layers_1"]["attention"]["query"])
+    # A scanned run starts from the unscanned run's checkpoint, an unscanned one from the
+    # stacked export: every parameter arrives, converted.
+    for source, scan in ((run, True), (str(tmp_path / "stacked"), False)):
+        exp = experiment.build(tiny(data_dir, init_from=source, **{"model.scan_layers": scan}))
+        said = []
+        state = init_from.initial_state(exp, said.append)
+        assert said[0].startswith("init_from: ") and "converted between layer stacks" in said[0]
+        with jax.set_mesh(exp.mesh):
+            got = jax.device_get(jax.jit(exp.plan.to_logical)(state.params))
+        want = stacked if scan else layers
+        for name in (
+            "encoder_layers/mlp/wi/kernel" if scan else "encoder_layers_1/mlp/wi/kernel",
+            "decoder_layers/cross_attention/out" if scan else "decoder_layers_0/mlp/wo/bias",
+            "shared_embedding/embedding",
+        ):
+            np.testing.assert_array_equal(_get(got, name), _get(want, name), err_msg=name)

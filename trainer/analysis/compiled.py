@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from trainer.analysis import costmodel, hlo
+from trainer.analysis import costmodel, hlo, schedule
 from trainer.parallel import hardware, torus
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
@@ -111,14 +111,14 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     start = time.perf_counter()
     lowered = experiment.lower_loop(exp, k)
     try:
-        compiled, oom = lowered.compile(), ""
+        compiled, oom = experiment.compile_lowered(lowered, config), ""
     except jax.errors.JaxRuntimeError as e:
         if "Ran out of memory" not in str(e):
             raise
         # The TPU compiler refuses a program over its HBM limit; compile it again
         # with the check off to learn how much it needs.
         oom = " ".join(str(e).split())
-        compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        compiled = experiment.compile_lowered(lowered, config, xla_tpu_no_crash_on_oom=True)
     compile_s = time.perf_counter() - start
 
     memory = compiled.memory_analysis()
@@ -131,8 +131,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     }
     # Donated inputs alias their outputs: count those bytes once.
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost, twin_s = _per_step_cost(compiled, config, devices)
+    compile_s += twin_s
     text = compiled.as_text()
     mesh_devices = list(exp.mesh.devices.flat)
     found = hlo.collectives(text, len(mesh_devices))
@@ -141,6 +141,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     xla_seconds = float(cost.get("optimal_seconds", 0.0))
     roofline = costmodel.roofline_seconds(flops, bytes_accessed, accelerator, cores)
+    bandwidth = accelerator.hbm_bandwidth(cores)
+    windows = {n: b / bandwidth for n, b in schedule.window_bytes(text, found).items()}
     estimates = {
         name: costmodel.estimate_step(
             compute_s=xla_seconds or roofline,
@@ -149,6 +151,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
             steps_per_loop=k,
             has_loop=" while(" in text,
             assumption=name,
+            windows_s=windows,
         )
         for name in costmodel.ASSUMPTIONS
     }
@@ -184,8 +187,14 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                 "colors": c.algorithm.colors,
                 "phases": c.algorithm.phases,
                 "algorithm_dims": c.algorithm.dims,
+                # How the cost model runs it (costmodel.reading): read, or assumed.
+                "both_ways": costmodel.reading(c).both_ways,
+                "bytes_factor": costmodel.reading(c).bytes_factor,
+                "reading": costmodel.reading(c).note,
                 "per_step": c.in_loop or " while(" not in text,
                 "est_seconds_per_step": estimates[costmodel.COMPILER][1][i],
+                # What the schedule runs while an asynchronous one is in flight.
+                "overlap_window_s": windows.get(c.name, 0.0) if c.is_async else 0.0,
                 "est_seconds_by_assumption": {
                     name: seconds[i] for name, (_, seconds) in estimates.items()
                 },
@@ -209,6 +218,28 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "compile_s": compile_s,
         "hlo": text if keep_hlo else None,
     }
+
+
+def _per_step_cost(compiled, config, devices) -> tuple[dict, float]:
+    """XLA's cost analysis of one step of ``compiled``, and the seconds it took to get.
+
+    XLA counts the body of a ``while`` once: right for the K-step loop (that is one
+    step), too little for a loop over a model's layers inside it
+    (``model.scan_layers``: one layer of each stack counted, not all). There the
+    figures are those of the same program with the layer scans unrolled, compiled
+    once more (the collectives and HBM stay the looped program's).
+    """
+    model = config.model
+    start = time.perf_counter()
+    if "scan_layers" in model and model.scan_layers:
+        twin = config.copy_and_resolve_references()
+        twin.model.scan_unroll = max(model.num_encoder_layers, model.num_decoder_layers)
+        exp = experiment.build(twin, devices=devices, with_data=False)
+        compiled = experiment.compile_lowered(
+            experiment.lower_loop(exp, twin.steps_per_loop), twin, xla_tpu_no_crash_on_oom=True
+        )
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost), time.perf_counter() - start
 
 
 def candidate_groups(config, devices: list) -> list[int]:

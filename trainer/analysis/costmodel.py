@@ -4,9 +4,9 @@ assumptions about how its collectives use the links.
 Nothing here is fitted to a measured step time; every constant is a published
 figure (:mod:`trainer.parallel.hardware`, and the latencies below). What the compiler
 runs is read from its output: each collective's replica groups (which chips, in
-ring order) and its ``backend_config`` (:class:`trainer.analysis.hlo.Algorithm`: a ring
-through the group in its order, or an N-D algorithm along the torus
-dimensions one after another; how many one-way ring routes at once).
+ring order) and its ``backend_config`` (:class:`trainer.analysis.hlo.Algorithm`), and
+what each algorithm does on the links was read from libtpu's own low-level program
+(:func:`reading`; README, "What the TPU back end does with our collectives").
 
 * Compute: XLA's ``optimal_seconds`` of the compiled per-device program, a
   per-instruction roofline with the compiler's own figures for the chip
@@ -20,39 +20,43 @@ dimensions one after another; how many one-way ring routes at once).
   N-D algorithm does so one dimension after another, each phase on what the
   previous left (``S / n_1`` after the first). Cores of one chip exchange
   through HBM; the links carry what goes between chips.
-* Links, counted the same way for every ring: a one-way ring route gives each
-  member one link's one-way bandwidth to its successor, shared by every route
-  of the ring that crosses the same link in the same direction (the ring's
-  steps are routed dimension by dimension, the short way around where the
-  slice wraps). The named assumptions differ only in how many such routes run
-  at once and how latency adds up:
+* Links, counted the same way for every ring: each step a member sends to its
+  successor, routed dimension by dimension, the short way around where the slice
+  wraps; a ring run both ways round also sends to its predecessor, half the data
+  each way. The busiest link direction (how many of the ring's messages cross it)
+  sets the ring's bandwidth: on a closed ring both ways halve the time, on a line
+  that does not wrap they do not (the way back runs over the same links).
+* Latency: each sequential step of a ring waits for its slowest message, one
+  ``HOP_LATENCY_S`` per link crossed (the scaling book, part 3 "Sharded Matrices",
+  "A note on ICI latency": "each hop over an ICI link has some intrinsic overhead
+  regardless of the data volume. This is typically around 1us"; ASTRA-sim's TPU v3
+  validation takes "Link Latency is 1 us [as per TPU research team]"). A ring both
+  ways round takes ``ceil((n-1)/2)`` steps, one way ``n-1``.
+
+The named assumptions:
 
   ``optimistic``
       every dimension the group spans at once, both ways round each ring (the
-      scaling book's all-gather time ``V / (W_bidi x axes)``).
+      scaling book's all-gather time ``V / (W_bidi x axes)``); latency overlapped.
   ``bidirectional``
-      the compiler's algorithm (its ring in group order, or its phases), each
-      ring run both ways.
+      the compiler's rings (its ring in group order, or its phases), every one of
+      them both ways round; latency overlapped.
   ``compiler``
-      the compiler's algorithm as its backend config reads: ``colors`` one-way
-      routes, ``phases`` one after another. This is the compiler-literal count.
+      the compiler's algorithm as libtpu's low-level program runs it
+      (:func:`reading`); a ring takes the longer of its transfer and its latency, as
+      the scaling book's ``T = max(T_min |X| / 2, V / W)`` has it. The headline.
   ``pessimistic``
-      as ``compiler``, and latency added to the transfer rather than hidden
-      behind it, with the per-hop latency the scaling book measured rather than
-      its rule of thumb.
+      as ``compiler``, with the latency added to the transfer rather than hidden
+      behind it, plus ``FIXED_LATENCY_S`` per collective: the book's worked example
+      (an all-gather over 3 hops estimated at 3 us, "In practice, it's closer to
+      8us") read as a fixed cost on top of the 1 us per hop. The one example cannot
+      tell that from 8/3 us per hop, which for a 32-step ring would be 2.7 times
+      the latency; no published figure measures a longer ring.
 
-* Latency: each of a ring's ``n - 1`` steps waits for its slowest message, one
-  hop per link crossed: ``HOP_LATENCY_S`` per hop (the scaling book, part 3
-  "Sharded Matrices", "A note on ICI latency": "each hop over an ICI link has
-  some intrinsic overhead regardless of the data volume. This is typically
-  around 1us"). A ring takes the longer of its transfer and its latency, as the
-  book's ``T = max(T_min |X| / 2, V / W)`` has it; ``pessimistic`` adds them, with
-  the latency of the book's worked example (an all-gather over 3 hops estimated
-  at 3 us: "In practice, it's closer to 8us").
 * Collectives inside the loop body run once per step; those outside it once per
-  K steps. The step is compute plus collectives (``no_overlap``), or the
-  asynchronous ones hidden behind compute (``overlap``); the v3 back end issues
-  none asynchronously, so there the two agree.
+  K steps. The step is compute plus collectives (``no_overlap``), or, with
+  ``overlap``, the asynchronous ones hidden behind the compute the compiled
+  schedule runs while they are in flight (:mod:`trainer.analysis.schedule`).
 """
 
 from __future__ import annotations
@@ -60,14 +64,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from trainer.analysis.hlo import Collective
 from trainer.parallel import torus
 from trainer.parallel.hardware import Accelerator
 
 HOP_LATENCY_S = 1e-6
-MEASURED_HOP_LATENCY_S = 8e-6 / 3
+FIXED_LATENCY_S = 5e-6  # 8 us measured - 3 hops x 1 us, read as a fixed cost
+# Where libtpu's 2DAllGatherOnMajorDim sends shards of at least this many bytes half x
+# first and half core first, its x links carry 1.5 times the minimum (read in LLO).
+_LARGE_SHARD = 8 * 1024
 ASSUMPTIONS = ("optimistic", "bidirectional", "compiler", "pessimistic")
 COMPILER = "compiler"  # the compiler-literal assumption, the headline figure
 
@@ -120,10 +127,67 @@ class Topology:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reading:
+    """How the back end runs the rings of one collective.
+
+    Attributes:
+      both_ways: each ring also runs the other way round, half the data each way.
+      steps_of: sequential steps of a ring of ``n`` members.
+      bytes_factor: link bytes over the minimum of the ring (1.0 but where read).
+      note: where the reading comes from, or the assumption made where there is none.
+    """
+
+    both_ways: bool
+    steps_of: Callable[[int], int]
+    bytes_factor: float = 1.0
+    note: str = "read"
+
+
+def _half(n: int) -> int:
+    return math.ceil((n - 1) / 2)
+
+
+def _all(n: int) -> int:
+    return n - 1
+
+
+def reading(c: Collective) -> Reading:
+    """How libtpu 0.0.42.1 runs ``c``, from its emitter and strategy, as its low-level
+    program does (the loop trip counts and DMA peers of its LLO dump, README):
+
+    * ``StrategyRing``, ``StrategyND``, ``StrategySubgroupND`` (``colors:1``): every
+      ring both ways round, half the shards each way, in ``ceil((n-1)/2)`` steps;
+      ``colors`` counts colours of that pincer, not directions;
+    * ``UniDirection1DRingStrategy`` / ``UniDirectionNDRingStrategy`` with colours
+      >= 2: one-way rings in opposite directions, ``n-1`` steps;
+    * ``1DAllGather*``: both neighbours at once, ``ceil((n-1)/2)`` steps;
+      ``2DAllGatherOnMajorDim``: a ring over the chips both ways and an exchange
+      between a chip's cores; for shards of 8 KiB or more half of each shard goes
+      chips-then-core and half core-then-chips, 1.5x the minimum over the links, in
+      ``n-2`` rounds.
+
+    Anything else is taken as one one-way ring, and says so in ``note``.
+    """
+    strategy, emitter = c.algorithm.strategy, c.algorithm.emitter
+    if strategy in ("StrategyRing", "StrategyND", "StrategySubgroupND"):
+        return Reading(True, _half)
+    if strategy.startswith("UniDirection") and c.algorithm.colors >= 2:
+        return Reading(True, _all)
+    if emitter.startswith("1DAllGather"):
+        return Reading(True, _half)
+    if emitter == "2DAllGatherOnMajorDim":
+        if c.buffer_bytes / max(c.group_size, 1) >= _LARGE_SHARD:
+            return Reading(True, lambda n: max(n - 2, 1), 1.5)
+        return Reading(True, _half)
+    what = emitter or "no emitter"
+    return Reading(False, _all, note=f"assumed one one-way ring ({what}: no reading)")
+
+
+@dataclasses.dataclass(frozen=True)
 class _Ring:
-    """One phase of a collective: a ring of ``members`` devices whose
-    between-chip steps load some link at most ``load`` times (in one direction)
-    and are at most ``hops`` links long; it moves ``fraction`` of the buffer."""
+    """One phase of a collective: a ring of ``members`` devices whose between-chip
+    messages load some link direction at most ``load`` times and are at most
+    ``hops`` links long; it moves ``fraction`` of the buffer."""
 
     members: int
     load: int
@@ -131,26 +195,33 @@ class _Ring:
     fraction: float
 
 
-def _ring(chips: Sequence[tuple[int, ...]], topo: Topology, fraction: float) -> _Ring:
-    """The ring through ``chips`` in this order (a member per device)."""
+def _ring(
+    chips: Sequence[tuple[int, ...]], topo: Topology, fraction: float, both_ways: bool
+) -> _Ring:
+    """The ring through ``chips`` in this order (a member per device), and, with
+    ``both_ways``, the same ring the other way round at the same time."""
     loads: collections.Counter = collections.Counter()
     hops = 0
-    for i, here in enumerate(chips):
-        there = chips[(i + 1) % len(chips)]
-        if here != there:
-            route = topo.route(here, there)
-            loads.update(route)
-            hops = max(hops, len(route))
+    orders = (list(chips), list(reversed(chips))) if both_ways else (list(chips),)
+    for order in orders:
+        for i, here in enumerate(order):
+            there = order[(i + 1) % len(order)]
+            if here != there:
+                route = topo.route(here, there)
+                loads.update(route)
+                hops = max(hops, len(route))
     return _Ring(len(chips), max(loads.values(), default=0), hops, fraction)
 
 
-def _phases(c: Collective, topo: Topology, chips: list[tuple[int, ...]]) -> list[_Ring]:
+def _phases(
+    c: Collective, topo: Topology, chips: list[tuple[int, ...]], both_ways: bool
+) -> list[_Ring]:
     """The rings the compiler runs for ``c`` (one after another), each with the
     share of the buffer it moves per member."""
     spanned = [d for d in range(len(topo.shape)) if len({chip[d] for chip in chips}) > 1]
     if c.algorithm.dims <= 1 or len(spanned) <= 1:
         n = len(chips)
-        return [_ring(chips, topo, (n - 1) / n)]
+        return [_ring(chips, topo, (n - 1) / n, both_ways)]
     phases, remaining, first = [], 1.0, True
     for d in spanned:  # a line of the group along d, the cores of a chip with it first
         line = sorted(
@@ -160,7 +231,7 @@ def _phases(c: Collective, topo: Topology, chips: list[tuple[int, ...]]) -> list
         cores = len(chips) // len(set(chips)) if first else 1
         members = [chip for chip in line for _ in range(cores)]
         n = len(members)
-        phases.append(_ring(members, topo, remaining * (n - 1) / n))
+        phases.append(_ring(members, topo, remaining * (n - 1) / n, both_ways))
         remaining /= n
         first = False
     return phases
@@ -177,29 +248,30 @@ def collective_seconds(c: Collective, topo: Topology, assumption: str = COMPILER
     link = acc.ici_link_bandwidth
     # Cores of a chip in other groups of this collective run on the same links.
     link *= (len(c.group) / len(distinct)) / topo.cores_per_chip
-    hop = MEASURED_HOP_LATENCY_S if assumption == "pessimistic" else HOP_LATENCY_S
     rounds = 2 if c.kind == "all-reduce" else 1  # reduce-scatter, then all-gather
     if c.kind == "collective-permute":
         route = max(
             (len(topo.route(a, b)) for a, b in zip(chips, chips[1:], strict=False)), default=1
         )
-        return size / link + route * hop
+        return size / link + route * HOP_LATENCY_S
     if assumption == "optimistic":
         dims = [d for d in range(len(topo.shape)) if len({chip[d] for chip in distinct}) > 1]
         bandwidth = sum(2 * link if topo.wraps[d] else link for d in dims)
         n = len(distinct)
         transfer = rounds * (n - 1) / n * size / bandwidth
         extent = sum(len({chip[d] for chip in distinct}) for d in dims)
-        return max(transfer, rounds * extent / 2 * hop)
-    routes = c.algorithm.colors
+        return max(transfer, rounds * extent / 2 * HOP_LATENCY_S)
+    how = reading(c)
     if assumption == "bidirectional":
-        routes = max(routes, 2)
-    seconds = 0.0
-    for ring in _phases(c, topo, chips):
+        how = Reading(True, _half)
+    ways = 2 if how.both_ways else 1
+    seconds = FIXED_LATENCY_S if assumption == "pessimistic" else 0.0
+    for ring in _phases(c, topo, chips, how.both_ways):
         if ring.load == 0:  # all on one chip
             continue
-        transfer = ring.fraction * size * ring.load / (routes * link)
-        latency = (ring.members - 1) * ring.hops * hop
+        # Each way carries 1/ways of the data; the busiest link direction sets the pace.
+        transfer = how.bytes_factor * ring.fraction * size * ring.load / (ways * link)
+        latency = how.steps_of(ring.members) * ring.hops * HOP_LATENCY_S
         seconds += rounds * (
             transfer + latency if assumption == "pessimistic" else max(transfer, latency)
         )
@@ -212,19 +284,22 @@ class StepEstimate:
 
     Attributes:
       compute_s: roofline time of the per-device program.
-      async_collective_s: collectives issued as start/done pairs, per step.
+      async_collective_s: collectives issued asynchronously, per step.
       sync_collective_s: the other collectives, per step.
-      overlap_s: ``max(compute, async) + sync``.
+      hidden_s: the part of the asynchronous ones the compiled schedule hides behind
+        work it runs while they are in flight (:mod:`trainer.analysis.schedule`).
+      overlap_s: ``compute + async - hidden + sync``.
       no_overlap_s: ``compute + async + sync``.
     """
 
     compute_s: float
     async_collective_s: float
     sync_collective_s: float
+    hidden_s: float = 0.0
 
     @property
     def overlap_s(self) -> float:
-        return max(self.compute_s, self.async_collective_s) + self.sync_collective_s
+        return self.no_overlap_s - self.hidden_s
 
     @property
     def no_overlap_s(self) -> float:
@@ -249,6 +324,7 @@ def estimate_step(
     steps_per_loop: int,
     has_loop: bool,
     assumption: str = COMPILER,
+    windows_s: dict[str, float] | None = None,
 ) -> tuple[StepEstimate, list[float]]:
     """The step-time estimate under ``assumption`` and each collective's per-step seconds.
 
@@ -260,11 +336,18 @@ def estimate_step(
       has_loop: whether the program has the K-step ``while`` loop (K = 1 unrolls
         it: then everything runs once per step).
       assumption: one of :data:`ASSUMPTIONS`.
+      windows_s: per asynchronous collective (by instruction name), the seconds of
+        work the schedule runs while it is in flight; what hides it.
     """
-    seconds = []
+    seconds, hidden = [], 0.0
+    windows_s = windows_s or {}
     for c in collectives:
         per_call = collective_seconds(c, topo, assumption)
-        seconds.append(per_call if c.in_loop or not has_loop else per_call / steps_per_loop)
+        per_step = per_call if c.in_loop or not has_loop else per_call / steps_per_loop
+        seconds.append(per_step)
+        if c.is_async:
+            window = windows_s.get(c.name, 0.0)
+            hidden += min(per_call, window) * (per_step / per_call if per_call else 0.0)
     async_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if c.is_async)
     sync_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if not c.is_async)
-    return StepEstimate(compute_s, async_s, sync_s), seconds
+    return StepEstimate(compute_s, async_s, sync_s, hidden), seconds

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import tempfile
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -58,16 +59,17 @@ class Algorithm:
     ``collective_algorithm_config`` names an emitter (``RotatedPincerEmitter``,
     ``SingleInputAllReduceScatterFusion``, ``2DAllGatherOnMajorDim``, ...), for most a
     strategy (``StrategyRing``, ``StrategyND``, ``UniDirection1DRingStrategy``, ...)
-    and its parameters. Read from the names (libtpu documents none of them):
-    ``colors`` are the ring routes run at once, each one-way (two colors of a 1-D
-    ring are its two directions); ``phases`` are the torus dimensions an N-D
-    algorithm runs along one after another; ``dims`` is 1 for a ring through the
-    whole group in its order, N for an algorithm along N dimensions.
+    and its parameters, as printed (libtpu documents none of them): ``colors``,
+    ``phases`` (the torus dimensions an N-D algorithm runs along one after another)
+    and ``dims`` (1 for a ring through the whole group in its order, N for an
+    algorithm along N dimensions). What they mean on the links - a
+    ``StrategyRing{colors:1}`` is a ring run both ways round, not one way - was read
+    from libtpu's low-level program: :func:`trainer.analysis.costmodel.reading`.
 
     Attributes:
       emitter: the emitter's name ("" where the back end says nothing, e.g. on CPU).
       strategy: the strategy's name, if any.
-      colors: concurrent one-way ring routes.
+      colors: the strategy's colours, as printed (1 where none is printed).
       phases: dimensions run one after another.
       dims: 1 (a ring in group order) or the dimensions the algorithm spans.
     """
@@ -109,6 +111,11 @@ class Collective:
       group: the partition ids of the first replica group, in ring order.
       algorithm: how the back end runs it (:class:`Algorithm`).
       loop_depth: how many ``while`` bodies enclose it.
+      name: its instruction's name (of the ``-start`` of an async pair).
+      computation: the computation that holds that instruction.
+      fused_with: for a collective fused with compute into one kernel
+        (``async_collective_fusion``: what XLA's async collective fusion makes), the
+        instruction that runs that kernel; it overlaps that kernel's own work.
     """
 
     kind: str
@@ -121,6 +128,9 @@ class Collective:
     group: tuple[int, ...] = ()
     loop_depth: int = 0
     algorithm: Algorithm = Algorithm()
+    name: str = ""
+    computation: str = ""
+    fused_with: str = ""
 
     @property
     def buffer_bytes(self) -> int:
@@ -259,8 +269,9 @@ def first_replica_group(line: str, num_devices: int) -> tuple[int, ...]:
     return tuple(int(i) for i in replica_groups(line, num_devices)[0])
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """All collectives of a partitioned HLO module, marked in-loop or not."""
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """``{computation name: its instruction lines, in order}`` of an HLO module. In a
+    scheduled module (a TPU's optimized program) the order is the order they run."""
     bodies: dict[str, list[str]] = {}
     current = None
     for line in hlo_text.splitlines():
@@ -268,8 +279,45 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         if match and "=" not in line.split("{")[0].split("(")[0]:
             current = match.group(1)
             bodies[current] = []
-        elif current is not None:
+        elif current is not None and line.strip() and line.strip() != "}":
             bodies[current].append(line)
+    return bodies
+
+
+class Instruction(NamedTuple):
+    """One HLO instruction line: its name, result type text, opcode and the rest."""
+
+    name: str
+    type_text: str
+    opcode: str
+    rest: str
+
+
+def instruction(line: str) -> Instruction | None:
+    """The parts of an HLO instruction line, or None for anything else."""
+    match = _INSTRUCTION.match(line)
+    if match is None:
+        return None
+    return Instruction(instruction_name(line), match.group(1), match.group(2), match.group(3))
+
+
+def instruction_name(line: str) -> str:
+    """The name an HLO instruction line defines (``%fusion.3 = ...`` -> ``fusion.3``)."""
+    match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+    return match.group(1) if match else ""
+
+
+def shape_bytes(type_text: str) -> int:
+    """Bytes of the arrays an HLO type (``f32[8,128]{1,0}``, or a tuple of them) names."""
+    return sum(
+        _DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        for dt, dims in _SHAPE.findall(type_text)
+    )
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """All collectives of a partitioned HLO module, marked in-loop or not."""
+    bodies = computations(hlo_text)
     calls = {
         name: {
             c.strip().lstrip("%")
@@ -311,8 +359,26 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         for m in [re.search(r"calls=%?([\w.\-]+)", line)]
         if m
     }
+    # XLA's async collective fusion (xla_tpu_enable_async_collective_fusion...): the
+    # collective appears in the fused kernel that overlaps it with compute, and again
+    # in the fusions of its async-collective-start and -done; it is counted once, in
+    # the first, as asynchronous and fused with that kernel.
+    fused_with, bookkeeping = {}, set()
+    for lines in bodies.values():
+        for line in lines:
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            if not called:
+                continue
+            if called.group(1).startswith("async_collective_fusion"):
+                fused_with[called.group(1)] = instruction_name(line)
+            elif instruction_name(line).startswith(
+                ("async-collective-start", "async-collective-done")
+            ):
+                bookkeeping.add(called.group(1))
     found = []
     for name, lines in bodies.items():
+        if name in bookkeeping:
+            continue
         for line in lines:
             match = _INSTRUCTION.match(line)
             if not match or (match.group(2) not in _KINDS and match.group(2) not in _ASYNC_KINDS):
@@ -339,10 +405,13 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                     group_size=len(group),
                     in_loop=depth[name] > 0,
                     loop_depth=depth[name],
-                    is_async=is_async,
+                    is_async=is_async or name in fused_with,
                     emitter=algorithm.emitter,
                     group=group,
                     algorithm=algorithm,
+                    name=instruction_name(line),
+                    computation=name,
+                    fused_with=fused_with.get(name, ""),
                 )
             )
     return found

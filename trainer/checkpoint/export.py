@@ -9,21 +9,38 @@ Only the ``params`` subtree is read (partial restore), not the optimizer state.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
+from models import stacking
+from trainer import tasks
 from trainer.checkpoint.reader import CheckpointError, CheckpointReader
-from trainer.runtime import storage
+from trainer.runtime import run_config, storage
 from trainer.runtime.errors import ConfigError
 
 
-def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "float32") -> int:
+def export(
+    workdir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    scan_layers: bool | None = None,
+) -> int:
     """Exports the params of checkpoint ``step`` (default latest); returns the step.
+
+    Args:
+      scan_layers: write the layers as stacks (True: ``encoder_layers/...`` leaves of
+        ``[layers, ...]``) or one module per layer (False), whichever way the run was
+        trained (:mod:`models.stacking`); None: as trained.
 
     Raises:
       CheckpointError: no such checkpoint, or it cannot be read.
-      ConfigError: ``out`` exists, or ``workdir`` is not a directory.
+      ConfigError: ``out`` exists, ``workdir`` is not a directory, or the model has
+        no layer stacks to convert.
     """
     destination = storage.path(out)
     if destination.exists():
@@ -41,8 +58,28 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = "flo
     except CheckpointError as e:
         others = [s for s in checkpoints.steps() if s != step]
         raise CheckpointError(f"{e}; export another with --step (there are {others})") from None
-    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), restored["params"])
+    params = restored["params"]
+    if scan_layers is not None:
+        params = _relayout(params, run_config.load(str(directory)), scan_layers)
+    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
     saver = ocp.StandardCheckpointer()
     saver.save(destination, params)
     saver.wait_until_finished()
     return step
+
+
+def _relayout(params: dict, config, scan_layers: bool) -> dict:
+    """``params`` in the layer layout of ``config``'s model with ``scan_layers``."""
+    if "scan_layers" not in config.model:
+        raise ConfigError(
+            f"--scan_layers: model.name='{config.model.name}' has no layer stacks to convert"
+        )
+    config.model.scan_layers = scan_layers
+    task = tasks.make_task(config, process_index=0, process_count=1, with_data=False)
+    shapes = jax.eval_shape(task.init_fn, jax.random.PRNGKey(0), task.init_batch)
+    wanted = traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
+    have = traverse_util.flatten_dict(params, sep="/")
+    sources = stacking.match(wanted, have)
+    if missing := sorted(set(wanted) - set(sources)):
+        raise ConfigError(f"--scan_layers: the checkpoint has no {', '.join(missing[:5])}")
+    return traverse_util.unflatten_dict(stacking.assemble(sources, have), sep="/")

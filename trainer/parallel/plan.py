@@ -35,6 +35,7 @@ differ only in where state lives and which collectives run:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -67,6 +68,10 @@ class UpdateShardingPlan:
       low_precision: a tree of bools: gather this parameter in ``gather_dtype``.
       gather_dtype: dtype the low-precision weights are all-gathered in.
       reduce_dtype: dtype gradients are summed in.
+      gather_buckets: groups of sharded parameters (indices into the flattened
+        layouts) gathered by one all-gather: their shards concatenated, gathered,
+        and each parameter cut out of the result (:func:`bucket_gathers`). The
+        other sharded parameters are gathered one by one.
     """
 
     mesh: Mesh
@@ -75,6 +80,7 @@ class UpdateShardingPlan:
     low_precision: Any
     gather_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
+    gather_buckets: tuple[tuple[int, ...], ...] = ()
 
     def _map(self, fn, *trees):
         return jax.tree.map(fn, self.layouts, *trees, is_leaf=is_layout)
@@ -138,16 +144,26 @@ class UpdateShardingPlan:
 
     def _gather(self, stored):
         layouts, low, treedef = self._flat()
+        bucketed = {i: bucket for bucket in self.gather_buckets for i in bucket}
+        replicas = self.mesh.shape[mesh_lib.DATA_AXIS]
 
         def body(*leaves):
+            # Cast on the shard, so the collective moves bf16.
+            shards = [
+                x.astype(self.gather_dtype) if lay.sharded and round_it else x
+                for lay, round_it, x in zip(layouts, low, leaves, strict=True)
+            ]
+            gathered = {}
+            for bucket in self.gather_buckets:
+                members = [(shards[i], layouts[i].dim) for i in bucket]
+                gathered.update(zip(bucket, _gather_bucket(members, replicas), strict=True))
             out = []
-            for lay, round_it, x in zip(layouts, low, leaves, strict=True):
-                dtype = x.dtype
-                if lay.sharded:
-                    if round_it:  # cast on the shard, so the collective moves bf16
-                        x = x.astype(self.gather_dtype)
+            for i, (lay, x) in enumerate(zip(layouts, shards, strict=True)):
+                if i in bucketed:
+                    x = gathered[i]
+                elif lay.sharded:
                     x = _on_major_dim(_all_gather, x, lay.dim)
-                out.append(lay.to_logical(x).astype(dtype)[None])
+                out.append(lay.to_logical(x).astype(leaves[i].dtype)[None])
             return tuple(out)
 
         gathered = jax.shard_map(
@@ -291,13 +307,16 @@ class UpdateShardingPlan:
         """(name, logical shape, layout and gather dtype) for every parameter."""
         layouts, low, treedef = self._flat()
         paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)]
+        bucket_of = {i: b for b, bucket in enumerate(self.gather_buckets) for i in bucket}
         rows = []
-        for path, lay, round_it in zip(paths, layouts, low, strict=True):
+        for i, (path, lay, round_it) in enumerate(zip(paths, layouts, low, strict=True)):
             gather = (
                 f", gathered in {np.dtype(self.gather_dtype).name}"
                 if lay.sharded and round_it
                 else ""
             )
+            if i in bucket_of:
+                gather += f" in bucket {bucket_of[i]}"
             rows.append(
                 (
                     rules_lib.param_name(path),
@@ -314,6 +333,53 @@ def _all_gather(x: jax.Array, dim: int) -> jax.Array:
 
 def _reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
     return jax.lax.psum_scatter(x, mesh_lib.DATA_AXIS, scatter_dimension=dim, tiled=True)
+
+
+def _gather_bucket(members: list[tuple[jax.Array, int]], replicas: int) -> list[jax.Array]:
+    """All-gathers several contiguously sharded tensors with one collective.
+
+    ``members`` are (local shard, sharded dim), with only size-1 dims before the
+    sharded one. Their shards, flattened and concatenated, are gathered into
+    ``[replicas, sum of shard sizes]``; each tensor is its columns of that, its
+    replicas' shards stacked on the sharded dim.
+    """
+    flat = jnp.concatenate([x.reshape(-1) for x, _ in members])
+    rows = _all_gather(flat, 0).reshape(replicas, flat.size)
+    out, offset = [], 0
+    for x, dim in members:
+        lead, shard = x.shape[:dim], x.shape[dim:]
+        part = rows[:, offset : offset + x.size].reshape(replicas * shard[0], *shard[1:])
+        out.append(part.reshape(lead + part.shape))
+        offset += x.size
+    return out
+
+
+def bucket_gathers(layouts, gather_bytes, bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Which sharded parameters share an all-gather: of those that are contiguous
+    shards (only size-1 dims before the sharded one) and gather at most
+    ``bucket_bytes`` each, consecutive ones of the same gather dtype, until their
+    gathered bytes would exceed ``bucket_bytes``. Buckets of one are left out.
+
+    Args:
+      layouts: the flattened :class:`LeafLayout` of every parameter.
+      gather_bytes: per parameter, ``(gather dtype name, bytes gathered per device)``.
+      bucket_bytes: the most a bucket gathers per device; 0 = no buckets.
+    """
+    if bucket_bytes <= 0:
+        return ()
+    open_: dict[str, tuple[list[int], int]] = {}
+    buckets = []
+    for i, (lay, (dtype, size)) in enumerate(zip(layouts, gather_bytes, strict=True)):
+        contiguous = lay.sharded and all(d == 1 for d in lay.stored_shape[: lay.dim])
+        if not contiguous or size > bucket_bytes:
+            continue
+        members, total = open_.get(dtype, ([], 0))
+        if total + size > bucket_bytes:
+            buckets.append(tuple(members))
+            members, total = [], 0
+        open_[dtype] = (members + [i], total + size)
+    buckets += [tuple(members) for members, _ in open_.values()]
+    return tuple(b for b in buckets if len(b) > 1)
 
 
 def _on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
@@ -345,6 +411,7 @@ def make_plan(
     low_precision=None,
     gather_dtype=jnp.bfloat16,
     reduce_dtype=jnp.float32,
+    gather_bucket_bytes: int = 0,
 ) -> UpdateShardingPlan:
     """Chooses a layout for every parameter.
 
@@ -360,6 +427,8 @@ def make_plan(
         ``gather_dtype`` (see :mod:`trainer.parallel.precision`); default: none.
       gather_dtype: dtype of the low-precision weight all-gathers.
       reduce_dtype: dtype of the gradient reduction.
+      gather_bucket_bytes: small sharded parameters share all-gathers of up to this
+        many bytes per device (:func:`bucket_gathers`); 0 = one per parameter.
     """
     if mode not in MODES:
         raise ConfigError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
@@ -382,6 +451,21 @@ def make_plan(
     )
     if low_precision is None:
         low_precision = jax.tree.map(lambda _: False, abstract_params)
+    if gather_bucket_bytes < 0:
+        raise ConfigError(f"optimizer.gather_bucket_bytes must be >= 0, got {gather_bucket_bytes}")
+    flat_layouts = jax.tree.leaves(layouts, is_leaf=is_layout)
+    gathered = []  # (dtype, bytes per device) of each parameter's all-gather
+    for lay, low, p in zip(
+        flat_layouts, jax.tree.leaves(low_precision), jax.tree.leaves(abstract_params), strict=True
+    ):
+        dtype = np.dtype(gather_dtype if low else p.dtype)
+        gathered.append((dtype.name, math.prod(lay.stored_shape) * dtype.itemsize))
     return UpdateShardingPlan(
-        mesh, mode, layouts, low_precision, jnp.dtype(gather_dtype), jnp.dtype(reduce_dtype)
+        mesh,
+        mode,
+        layouts,
+        low_precision,
+        jnp.dtype(gather_dtype),
+        jnp.dtype(reduce_dtype),
+        bucket_gathers(flat_layouts, gathered, gather_bucket_bytes),
     )

@@ -64,10 +64,13 @@ def _sub_jaxprs(eqn) -> list[tuple[Any, list[int | None]]]:
         if key in params and name not in ("scan", "while", "cond"):
             return [(params[key], identity)]
     if name == "scan":
-        # Operands: consts, carry, xs. Only consts reach every iteration unchanged;
-        # a carried parameter may come back modified, so it is not followed.
-        consts = params["num_consts"]
-        return [(params["jaxpr"], [i if i < consts else None for i in range(n)])]
+        # Operands: consts, carry, xs; the body takes them in that order, an xs operand
+        # one slice per iteration (a stacked parameter of scanned layers: one layer's).
+        # Consts and xs are followed; a carried parameter may come back modified, so
+        # it is not.
+        consts, carry = params["num_consts"], params["num_carry"]
+        follow = [None if consts <= i < consts + carry else i for i in range(n)]
+        return [(params["jaxpr"], follow)]
     if name == "cond":
         return [(branch, [None] + list(range(n - 1))) for branch in params["branches"]]
     return []
@@ -115,6 +118,8 @@ def _flows_into_low(jaxpr, var, low: np.dtype, returned: Callable[[int], bool]) 
                 return False
 
             def out_of_call(k, eqn=eqn):
+                if eqn.primitive.name == "scan" and k < eqn.params["num_carry"]:
+                    return False  # carried into the next iteration: not followed
                 return _flows_into_low(jaxpr, eqn.outvars[k], low, returned)
 
             if not _flows_into_low(sub, _jaxpr_of(sub).invars[mapping[i]], low, out_of_call):

@@ -34,6 +34,7 @@ def setup(
     process_id: int | None = None,
     heartbeat_timeout_s: int = 100,
     console_stream: IO[str] | None = None,
+    compiles_for_tpu: bool = False,
 ) -> None:
     """Sets the process up before the first device or file is touched.
 
@@ -57,6 +58,11 @@ def setup(
         the others fail instead of waiting forever.
       console_stream: where the console goes (default stdout; stderr for a
         command whose stdout is its result).
+      compiles_for_tpu: the command compiles for TPU topologies it does not run on
+        (``trainer.aot``). On a host without TPU chips libtpu then starts as a lone
+        worker (``TPU_WORKER_HOSTNAMES=localhost``, ``TPU_HOST_BOUNDS=1,1,1``) instead
+        of printing five lines about the workers and host bounds it cannot find; the
+        programs it compiles are the same byte for byte.
     """
     if cpu_devices < 0:
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
@@ -78,6 +84,9 @@ def setup(
 
     from trainer.runtime import cluster  # noqa: PLC0415  (imports JAX)
 
+    if compiles_for_tpu and not _tpu_on_this_host():
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     if cpu_devices:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         jax.config.update("jax_platforms", "cpu")
@@ -124,16 +133,21 @@ def _platforms_without_tpu() -> str | None:
     chip, prints five ``E0000 ... TPU_WORKER_HOSTNAMES`` and "Failed to find host
     bounds" lines before JAX falls back to the CPU. A real TPU VM is left alone.
     """
-    if importlib.util.find_spec("libtpu") is None:
+    if importlib.util.find_spec("libtpu") is None or _tpu_on_this_host():
         return None
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        with contextlib.suppress(OSError), open(vendor) as f:
-            if f.read().strip() == _GOOGLE_PCI_VENDOR:
-                return None
     gpu = importlib.util.find_spec("jax_cuda12_plugin") is not None and any(
         os.path.exists(d) for d in _NVIDIA_DEVICES
     )
     return "cuda,cpu" if gpu else "cpu"
+
+
+def _tpu_on_this_host() -> bool:
+    """Whether a Google device (a TPU chip) is on this host's PCI bus."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with contextlib.suppress(OSError), open(vendor) as f:
+            if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+    return False
 
 
 def _tfds_errors_only(record) -> bool:

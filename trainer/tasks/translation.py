@@ -7,15 +7,17 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import sacrebleu
+from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from models import decode as decode_lib
-from models import losses, transformer
+from models import losses, stacking, transformer
 from trainer.data import translation as data_lib
 from trainer.data.tokenizer import EOS_ID
 from trainer.runtime import console
@@ -111,8 +113,26 @@ def make_task(
             "targets_segmentation": batch["targets_segmentation"],
         }
 
+    # Initial values are those of the unscanned model whatever model.scan_layers says:
+    # stacking the layers changes where the parameters live, not the run's numbers.
+    per_layer = transformer.Transformer(dataclasses.replace(cfg, scan_layers=False))
+
     def init_fn(rng, batch):
-        return model.init({"params": rng}, batch["inputs"], batch["targets"], **packing(batch))
+        args = ({"params": rng}, batch["inputs"], batch["targets"])
+        variables = per_layer.init(*args, **packing(batch))
+        if not cfg.scan_layers:
+            return variables
+        boxed = jax.eval_shape(functools.partial(model.init, **packing(batch)), *args)["params"]
+        wanted = traverse_util.flatten_dict(nn.unbox(boxed), sep="/")
+        values = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+        stacked = stacking.assemble(stacking.match(wanted, values), values)
+        # The scanned tree's boxes keep the logical axis names ("layers", ...).
+        flat_boxes = traverse_util.flatten_dict(boxed, sep="/")
+        return {
+            "params": traverse_util.unflatten_dict(
+                {n: box.replace_boxed(stacked[n]) for n, box in flat_boxes.items()}, sep="/"
+            )
+        }
 
     def loss_fn(variables, batch, rng, train):
         logits = (model if train else eval_model).apply(

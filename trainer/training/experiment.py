@@ -122,9 +122,43 @@ def lower_loop(exp: Experiment, k: int) -> jax.stages.Lowered:
         return jitted.lower(exp.abstract_state, abstract_batches)
 
 
+def compiler_options(config: ml_collections.ConfigDict) -> dict[str, bool | int | str]:
+    """``config.compiler_options`` ("a=true b=4") as the compile call takes them.
+
+    Raises:
+      ConfigError: a pair without ``=``.
+    """
+    options: dict[str, bool | int | str] = {}
+    for pair in config.compiler_options.split():
+        name, equals, value = pair.partition("=")
+        if not equals or not name:
+            raise ConfigError(f"compiler_options: expected name=value pairs, got {pair!r}")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            options[name] = lowered == "true"
+        else:
+            options[name] = int(value) if value.lstrip("-").isdigit() else value
+    return options
+
+
+def compile_lowered(lowered: jax.stages.Lowered, config, **extra) -> jax.stages.Compiled:
+    """``lowered.compile()`` with ``config.compiler_options`` (and ``extra`` ones).
+
+    Raises:
+      ConfigError: the back end does not know an option.
+    """
+    options = {**compiler_options(config), **extra}
+    try:
+        return lowered.compile(compiler_options=options or None)
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" not in str(e):
+            raise
+        raise ConfigError(f"compiler_options: {' '.join(str(e).split())}") from None
+
+
 def compile_loop(exp: Experiment, k: int) -> jax.stages.Compiled:
-    """:func:`lower_loop`, compiled."""
-    return lower_loop(exp, k).compile()
+    """:func:`lower_loop`, compiled with the config's ``compiler_options``."""
+    return compile_lowered(lower_loop(exp, k), exp.config)
 
 
 def _check_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
@@ -276,6 +310,7 @@ def build(
         low_precision=low_precision,
         gather_dtype=gather_dtype,
         reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
+        gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
     )
     inner, schedule = optimizers.make_optimizer(opt_cfg, params, config.num_train_steps)
     tx = transform_lib.weight_update_sharding(

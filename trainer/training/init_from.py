@@ -17,9 +17,12 @@ import fnmatch
 import math
 from collections.abc import Callable
 
+import jax
 from etils import epath
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
+from models import stacking
 from trainer import checkpoint as checkpoint_lib
 from trainer.checkpoint import tree as tree_lib
 from trainer.runtime import storage
@@ -58,6 +61,27 @@ def _open(source: str):
     )
 
 
+def _source_targets(sources: dict[str, stacking.Source], wanted: dict, have: dict) -> dict:
+    """What to read from the source, as ``{source name: ShapeDtypeStruct}``: the
+    source's shapes in the wanted dtype, each sharded as the wanted leaf it becomes
+    (a layer of a stack: without the layers dim; a stack of layers: replicated on it)."""
+    targets = {}
+    for name, source in sources.items():
+        sharding = wanted[name].sharding
+        spec = tuple(sharding.spec) + (None,) * (len(wanted[name].shape) - len(sharding.spec))
+        if source.stacked:
+            spec = spec[1:]
+        elif source.index is not None:
+            spec = (None, *spec)
+        for n in source.names:
+            targets[n] = jax.ShapeDtypeStruct(
+                tuple(have[n].shape),
+                wanted[name].dtype,
+                sharding=NamedSharding(sharding.mesh, PartitionSpec(*spec)),
+            )
+    return targets
+
+
 def check_source(init_from: str | None, workdir: epath.Path) -> None:
     """Fails early on an ``init_from`` that names the run's own work directory.
 
@@ -93,26 +117,31 @@ def initial_state(
     unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in wanted)]
     if unused:
         raise ConfigError(f"init_from_skip patterns {unused} match no parameter of this model")
+    # Another layer layout (scanned stacks vs one module per layer) is converted.
+    sources = stacking.match({n: leaf for n, leaf in wanted.items() if n not in skipped}, have)
     problems = []
     for name, leaf in wanted.items():
-        if name in skipped:
+        if name in skipped or name in sources:
             continue
         if name not in have:
             problems.append(f"{name} {tuple(leaf.shape)} is missing")
-        elif tuple(have[name].shape) != tuple(leaf.shape):
+        else:
             problems.append(f"{name} is {tuple(have[name].shape)} there, {tuple(leaf.shape)} here")
     if problems:
         raise ConfigError(
             f"init_from: {len(problems)} parameters do not fit {what}: {'; '.join(problems)} "
             f"(name them in init_from_skip to start them from their initialisers)"
         )
-    loads = {n: leaf for n, leaf in wanted.items() if n not in skipped}
-    loaded = _flat(read(traverse_util.unflatten_dict(loads, sep="/")))
+    targets = _source_targets(sources, wanted, have)
+    loaded = stacking.assemble(sources, _flat(read(traverse_util.unflatten_dict(targets, sep="/"))))
     state = exp.init(loaded)
-    values = sum(math.prod(leaf.shape) for leaf in loads.values())
-    extra = sorted(set(have) - set(wanted))
+    values = sum(math.prod(wanted[n].shape) for n in loaded)
+    used = {n for source in sources.values() for n in source.names}
+    extra = sorted(set(have) - used)
+    converted = sum(s.stacked or s.index is not None for s in sources.values())
     log(
         f"init_from: {len(loaded)} of {len(wanted)} parameters ({values:,} values) from {what}"
+        + (f" ({converted} converted between layer stacks and layers)" if converted else "")
         + (f"; from their initialisers: {', '.join(skipped)}" if skipped else "")
         + (f"; not in this model: {', '.join(extra)}" if extra else "")
     )
