@@ -71,8 +71,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             # Activation rematerialisation per layer: none | full | dots | dots_no_batch.
             remat="none",
             # One nn.scan over each stack of 6 layers, parameters stored [6, ...]: a
-            # step then gathers and reduces each kind of weight once, not once per layer.
-            scan_layers=False,
+            # step then gathers and reduces each kind of weight once, not once per layer
+            # (17 reduce-scatters and 19 all-gathers instead of 97 and 97 on v3:32x32;
+            # TPU compiler estimate 22.2 vs 25.8 ms a step, compiled in 11 s vs 35 s).
+            scan_layers=True,
             # Layers per iteration of those scans (>= 6: unrolled, as without scan).
             scan_unroll=1,
         )

@@ -131,7 +131,8 @@ def tiny_wus(mode="wus", opt="adam", *, mesh="data8", dtype="float32", accumulat
     sharded parameter gathered in shared all-gathers) or scanned (data8, 2+2 layers
     in layer stacks)."""
     config = transformer_1024.get_config("tiny,synthetic")
-    config.model.update(**TINY_TRANSFORMER, dtype=dtype)
+    # One module per layer, but in the "scanned" case (the trainer's default stacks).
+    config.model.update(**TINY_TRANSFORMER, dtype=dtype, scan_layers=False)
     config.data.update(vocab_size=64, max_length=8)
     config.global_batch_size = 16
     config.num_train_steps = 100

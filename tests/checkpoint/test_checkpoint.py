@@ -116,7 +116,7 @@ def test_shape_mismatch_names_the_parameter(data_dir, saved_run):
     workdir, _ = saved_run
     exp = experiment.build(tiny(data_dir, **{"model.mlp_dim": 128}))
     with pytest.raises(
-        checkpoint_lib.CheckpointMismatchError, match=r"mlp/wi/bias has shape \(256,\)"
+        checkpoint_lib.CheckpointMismatchError, match=r"mlp/wi/bias has shape \(2, 256\)"
     ):
         checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.logical_state)
 

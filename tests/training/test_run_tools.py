@@ -33,9 +33,12 @@ from trainer.training import train as train_lib
 
 
 def tiny(data_dir, **overrides):
+    # One module per layer: init_from_skip and the checks name layers one by one
+    # (test_export_and_init_from_convert_between_layer_stacks_and_layers: the stacks).
     return tiny_translation(
         data_dir,
         **{
+            "model.scan_layers": False,
             "data.num_eval_examples": 32,
             "max_decode_length": 16,
             "optimizer.warmup_steps": 10,
