@@ -29,7 +29,9 @@ python -m trainer.aot --config configs/transformer_16.py:synthetic --topology v3
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 
 from absl import flags
 from ml_collections import config_flags
@@ -40,6 +42,12 @@ from trainer.runtime import cli, console, process, storage
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _TOPOLOGY = flags.DEFINE_string(
     "topology", None, "TPU topology to compile for, e.g. v3:32x32, v4:4x4x4, v5e:16x16."
+)
+_NUM_SLICES = flags.DEFINE_integer(
+    "num_slices",
+    1,
+    "Compile for this many slices of the topology, joined by the data-center network "
+    "(data parallelism across them: mesh.dcn_axes.data, unless the config sets dcn axes).",
 )
 _MODES = flags.DEFINE_list(
     "modes", ["none", "wus", "fsdp"], "Update-sharding modes to compile (or auto)."
@@ -98,12 +106,24 @@ def report(results: dict[str, dict]) -> None:
         wire = sum(c["wire_bytes"] for c in per_step)
         print(f"  collective buffer bytes    {_mib(moved):>16} per step")
         print(f"  bytes each core sends      {_mib(wire):>16} per step (ring algorithms)")
-        print(f"  compute (XLA roofline)     {r['est_compute_s'] * 1e3:10.2f} ms")
+        if r["num_slices"] > 1:
+            kinds = collections.Counter(t["kind"] for t in r["dcn_transfers"] if t["per_step"])
+            what = ", ".join(f"{n} x {kind}" for kind, n in sorted(kinds.items())) or "none"
+            assumed = " (assumed bandwidth)" if r["dcn_bandwidth_assumed"] else ""
+            print(
+                f"  DCN: {what} per step; each host ({r['devices_per_host']} devices) sends "
+                f"{_mib(r['dcn_bytes_per_host_per_step'])}{assumed}"
+            )
+        source = "XLA roofline" if r["compute_source"] == "xla" else "published roofline"
+        print(f"  compute, {source:<19} {r['est_compute_s'] * 1e3:8.2f} ms")
         for assumption, e in r["est_step_time_s"]["by_assumption"].items():
             mark = "  <- compiler-literal" if assumption == "compiler" else ""
+            dcn = f", DCN {e['dcn'] * 1e3:.2f} ms" if r["num_slices"] > 1 else ""
+            hidden = e["no_overlap"] - e["overlap"]
+            hidden = f", {hidden * 1e3:.2f} ms of it hidden by the schedule" if hidden else ""
             print(
                 f"  step, {assumption:<14}      {e['no_overlap'] * 1e3:10.2f} ms (collectives "
-                f"{e['collectives'] * 1e3:.2f} ms){mark}"
+                f"{e['collectives'] * 1e3:.2f} ms{dcn}{hidden}){mark}"
             )
     if "none" in results:
         base = results["none"]
@@ -119,8 +139,12 @@ def report(results: dict[str, dict]) -> None:
                 f"{a} x{e['no_overlap'] / before[a]['no_overlap']:.2f}"
                 for a, e in r["est_step_time_s"]["by_assumption"].items()
             )
+            dcn = ""
+            if r["num_slices"] > 1 and base["dcn_bytes_per_host_per_step"]:
+                share = r["dcn_bytes_per_host_per_step"] / base["dcn_bytes_per_host_per_step"]
+                dcn = f", DCN bytes per host x{share:.3f}"
             print(
-                f"{name} vs none: HBM/core x{hbm:.3f}, bytes sent x{moved:.2f}, "
+                f"{name} vs none: HBM/core x{hbm:.3f}, bytes sent x{moved:.2f}{dcn}, "
                 f"estimated step time {ratios}"
             )
 
@@ -139,12 +163,24 @@ def main(argv: list[str]) -> None:
         cli.fail("--modes is empty: name the modes to compile, e.g. --modes none,wus (or auto)")
     if unknown := [m for m in _MODES.value if m not in known]:
         cli.fail(f"--modes: {', '.join(map(repr, unknown))} not one of {', '.join(known)}")
+    slices = _NUM_SLICES.value
+    if slices < 1:
+        cli.fail(f"--num_slices must be >= 1, got {slices}")
+    dcn = config.mesh.dcn_axes
+    if slices > 1 and math.prod(dcn.values()) == 1:
+        dcn.data = slices  # data parallelism across the slices
+    elif math.prod(dcn.values()) != slices:
+        cli.fail(
+            f"--num_slices={slices} but mesh.dcn_axes {dcn.to_dict()} multiply to "
+            f"{math.prod(dcn.values())} slices"
+        )
     with cli.clear_errors():
         json_out = storage.output_file(_JSON.value, "--json") if _JSON.value else None
         if _HLO.value:
             storage.make_directory(_HLO.value, "--hlo")
-        devices = compiled_lib.topology_devices(_TOPOLOGY.value)
-        where = f"{len(devices)} {devices[0].device_kind} devices ({_TOPOLOGY.value})"
+        devices = compiled_lib.topology_devices(_TOPOLOGY.value, slices)
+        where = f"{len(devices)} {devices[0].device_kind} devices ({_TOPOLOGY.value}"
+        where += f" x {slices} slices)" if slices > 1 else ")"
         for mode in _MODES.value:
             if mode == "auto":
                 console.say("update_sharding=auto candidates:")

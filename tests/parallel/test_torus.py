@@ -119,3 +119,65 @@ def test_libtpu_topologies_as_the_hardware_is():
     assert len(v4) == 64 and torus.Torus.of(v4).cores_per_chip == 1  # megacore, as JAX runs v4
     mesh = mesh_lib.make_mesh({"data": -1}, shard_group_size=64, devices=pod)
     assert mesh_lib.describe_groups(mesh).startswith("group = torus row x, 32 chips x 2 cores")
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeSliceTpu(FakeTpu):
+    """A TPU device of one of several slices (multislice)."""
+
+    slice_index: int = 0
+
+
+def _slices(count: int, x: int, y: int, cores: int = 2):
+    """``count`` slices of x*y chips; coordinates restart in every slice, as libtpu's do."""
+    out = []
+    for s in range(count):
+        for d in fake(x, y, cores=cores):
+            out.append(
+                FakeSliceTpu(
+                    s * 1000 + d.id, d.coords, d.core_on_chip, d.device_kind, slice_index=s
+                )
+            )
+    np.random.default_rng(1).shuffle(out)
+    return out
+
+
+def test_groups_stay_in_a_slice_on_its_rings_and_replicas_cross_slices_last():
+    devices = _slices(2, 4, 4)  # two v3:4x4 slices, 32 cores each
+    grid, names = mesh_lib.device_array({"data": -1}, {"data": 2}, 8, devices)
+    assert names == ("replica", "data") and grid.shape == (8, 8)
+    # Replicas 0-3 are the groups of slice 0, 4-7 those of slice 1: the slow links
+    # come last.
+    assert [{d.slice_index for d in row} for row in grid] == [{0}] * 4 + [{1}] * 4
+    # Inside a slice, each group is a row of 4 chips x 2 cores, as on a lone slice.
+    lone, _ = mesh_lib.device_array({"data": -1}, None, 8, fake(4, 4))
+    for s in range(2):
+        rows = grid[4 * s : 4 * s + 4]
+        assert [[(d.coords, d.core_on_chip) for d in row] for row in rows] == [
+            [(d.coords, d.core_on_chip) for d in row] for row in lone
+        ]
+    # No group spans slices: shard_group_size 0 (one group of the whole data axis)
+    # means a slice's share of it.
+    whole, _ = mesh_lib.device_array({"data": -1}, {"data": 2}, 0, devices)
+    assert whole.shape == (2, 32)
+    assert [{d.slice_index for d in row} for row in whole] == [{0}, {1}]
+
+
+def test_libtpu_multislice_topologies_keep_groups_inside_slices():
+    from trainer.analysis import compiled as compiled_lib
+
+    try:
+        devices = compiled_lib.topology_devices("v5e:16x16", num_slices=2)
+    except ConfigError as e:
+        if "needs libtpu" in str(e):
+            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
+        raise
+    assert len(devices) == 512 and {d.slice_index for d in devices} == {0, 1}
+    mesh = mesh_lib.make_mesh({"data": -1}, {"data": 2}, shard_group_size=16, devices=devices)
+    assert dict(mesh.shape) == {"replica": 32, "data": 16}
+    for row in mesh.devices:
+        assert len({d.slice_index for d in row}) == 1
+    assert [row[0].slice_index for row in mesh.devices] == [0] * 16 + [1] * 16
+    said = mesh_lib.describe_groups(mesh, num_slices=2)
+    assert said.startswith("group = torus row ") and "wraps" in said
+    assert said.endswith("in each of 2 slices (DCN between them)")

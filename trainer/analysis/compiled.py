@@ -18,6 +18,7 @@ costed are those the TPU runs.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -57,9 +58,11 @@ def topology_options(name: str) -> dict:
     return options
 
 
-def topology_devices(name: str) -> list:
+def topology_devices(name: str, num_slices: int = 1) -> list:
     """The devices of TPU topology ``name`` (e.g. ``v3:4x4``), compile-only, with
-    the wrap-around links the real slice has (:func:`topology_options`).
+    the wrap-around links the real slice has (:func:`topology_options`); with
+    ``num_slices`` > 1, of that many such slices joined by the data-center network
+    (devices with a ``slice_index``).
 
     Raises:
       ConfigError: libtpu is missing, or the name is not a topology it knows.
@@ -71,8 +74,9 @@ def topology_devices(name: str) -> list:
     try:
         from jax.experimental import topologies  # noqa: PLC0415
 
+        slices = {"num_slices": num_slices} if num_slices > 1 else {}
         description = topologies.get_topology_desc(
-            platform="tpu", topology_name=name, **topology_options(name)
+            platform="tpu", topology_name=name, **topology_options(name), **slices
         )
         return list(description.devices)
     except Exception as e:  # libtpu missing or a bad name: both reach here as errors
@@ -134,26 +138,38 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     cost, twin_s = _per_step_cost(compiled, config, devices)
     text = compiled.as_text()
     mesh_devices = list(exp.mesh.devices.flat)
-    found = hlo.collectives(text, len(mesh_devices))
-    topo = costmodel.Topology.from_devices(accelerator, mesh_devices)
+    # A multi-slice program is that of one slice: its collectives' partition ids are
+    # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
+    first = getattr(mesh_devices[0], "slice_index", 0)
+    slice_devices = [d for d in mesh_devices if getattr(d, "slice_index", 0) == first]
+    found = hlo.collectives(text, len(slice_devices))
+    dcn = hlo.dcn_transfers(text)
+    topo = costmodel.Topology.from_devices(accelerator, slice_devices)
     cores = topo.cores_per_chip
+    per_host = sum(d.process_index == slice_devices[0].process_index for d in slice_devices)
     flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     xla_seconds = float(cost.get("optimal_seconds", 0.0))
     roofline = costmodel.roofline_seconds(flops, bytes_accessed, accelerator, cores)
+    # XLA's optimal_seconds of a multi-slice program comes out negative (-30 s and
+    # change, libtpu 0.0.42.1: its DCN transfers' entry); there the compute is the
+    # whole-program roofline with the published chip figures.
+    compute_source = "xla" if xla_seconds > 0 else "roofline"
     bandwidth = accelerator.hbm_bandwidth(cores)
     windows = {n: b / bandwidth for n, b in schedule.window_bytes(text, found).items()}
     estimates = {
         name: costmodel.estimate_step(
-            compute_s=xla_seconds or roofline,
+            compute_s=xla_seconds if compute_source == "xla" else roofline,
             collectives=found,
             topo=topo,
             steps_per_loop=k,
             has_loop=" while(" in text,
             assumption=name,
             windows_s=windows,
+            dcn=dcn,
         )
         for name in costmodel.ASSUMPTIONS
     }
+    num_slices = len({getattr(d, "slice_index", 0) for d in mesh_devices})
     estimate, _ = estimates[costmodel.COMPILER]
     capacity = accelerator.hbm_bytes(cores)
     return {
@@ -162,7 +178,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "min_shard_bytes": config.optimizer.min_shard_bytes,
         "device_kind": devices[0].device_kind,
         "num_devices": len(mesh_devices),
-        "groups": mesh_lib.describe_groups(exp.mesh),
+        "num_slices": num_slices,
+        "groups": mesh_lib.describe_groups(exp.mesh, num_slices),
         "steps_per_loop": k,
         "hbm_bytes_per_core": total,
         "hbm_breakdown": hbm,
@@ -173,6 +190,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "bytes_accessed_per_step": bytes_accessed,
         "xla_optimal_seconds": xla_seconds,
         "roofline_seconds": roofline,
+        "compute_source": compute_source,
         "collectives": [
             {
                 "kind": c.kind,
@@ -200,6 +218,21 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
             }
             for i, c in enumerate(found)
         ],
+        # What crosses slices over the data-center network, per step.
+        "dcn_transfers": [
+            {
+                "kind": t.kind,
+                "bytes": t.bytes,
+                "wire_bytes": t.wire_bytes,
+                "slices": t.slices,
+                "per_step": t.in_loop or " while(" not in text,
+            }
+            for t in dcn
+        ],
+        "dcn_bytes_per_host_per_step": per_host
+        * sum(t.wire_bytes * (1 if t.in_loop or " while(" not in text else 1 / k) for t in dcn),
+        "devices_per_host": per_host,
+        "dcn_bandwidth_assumed": accelerator.dcn_assumed,
         # The compiler-literal estimate, and every assumption's (trainer/analysis/costmodel.py).
         "est_step_time_s": {
             "overlap": estimate.overlap_s,
@@ -209,6 +242,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                     "overlap": e.overlap_s,
                     "no_overlap": e.no_overlap_s,
                     "collectives": e.async_collective_s + e.sync_collective_s,
+                    "dcn": e.dcn_s,
                 }
                 for name, (e, _) in estimates.items()
             },
@@ -257,11 +291,12 @@ def candidate_groups(config, devices: list) -> list[int]:
     mesh = mesh_lib.make_mesh(
         config.mesh.axes.to_dict(), config.mesh.dcn_axes.to_dict(), devices=devices[:n]
     )
-    data = mesh.shape[mesh_lib.DATA_AXIS]
-    model = len(mesh.devices.flat) // data  # devices a model axis takes from each group
+    data = mesh.shape[mesh_lib.DATA_AXIS]  # a slice's share: groups never span slices
+    one_slice = mesh_lib.slices(devices[:n], math.prod(config.mesh.dcn_axes.values()))[0]
+    model = len(one_slice) // data  # devices a model axis takes from each group
     wanted = list(config.optimizer.auto.shard_group_sizes)
     if not wanted:
-        wanted = [s // model for s in torus.ring_group_sizes(devices[:n]) if s % model == 0]
+        wanted = [s // model for s in torus.ring_group_sizes(one_slice) if s % model == 0]
     groups = [g for g in wanted if g > 1 and data % g == 0]
     return sorted({0 if g == data else g for g in groups}, key=lambda g: g or data)
 

@@ -66,6 +66,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from trainer.analysis import hlo
 from trainer.analysis.hlo import Collective
 from trainer.parallel import torus
 from trainer.parallel.hardware import Accelerator
@@ -278,6 +279,22 @@ def collective_seconds(c: Collective, topo: Topology, assumption: str = COMPILER
     return seconds
 
 
+def dcn_seconds(t: hlo.DcnTransfer, topo: Topology, assumption: str = COMPILER) -> float:
+    """Time of one transfer between slices over the data-center network.
+
+    Each chip sends what its devices put on the DCN (:attr:`hlo.DcnTransfer.wire_bytes`)
+    at its DCN bandwidth (:mod:`trainer.parallel.hardware`): the published figure, or
+    for a generation without one the high end of the assumed range, and the low end
+    under ``pessimistic``. No DCN latency is added: Google publishes none, and the
+    transfers here are of megabytes, where bandwidth decides.
+    """
+    low, high = topo.accelerator.dcn_bandwidth_per_chip
+    bandwidth = low if assumption == "pessimistic" else high
+    if bandwidth <= 0:
+        return 0.0
+    return t.wire_bytes * topo.cores_per_chip / bandwidth
+
+
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
     """The pieces of an estimated step time, in seconds.
@@ -288,14 +305,16 @@ class StepEstimate:
       sync_collective_s: the other collectives, per step.
       hidden_s: the part of the asynchronous ones the compiled schedule hides behind
         work it runs while they are in flight (:mod:`trainer.analysis.schedule`).
-      overlap_s: ``compute + async - hidden + sync``.
-      no_overlap_s: ``compute + async + sync``.
+      dcn_s: transfers between slices over the data-center network, per step.
+      overlap_s: ``compute + async - hidden + sync + dcn``.
+      no_overlap_s: ``compute + async + sync + dcn``.
     """
 
     compute_s: float
     async_collective_s: float
     sync_collective_s: float
     hidden_s: float = 0.0
+    dcn_s: float = 0.0
 
     @property
     def overlap_s(self) -> float:
@@ -303,7 +322,7 @@ class StepEstimate:
 
     @property
     def no_overlap_s(self) -> float:
-        return self.compute_s + self.async_collective_s + self.sync_collective_s
+        return self.compute_s + self.async_collective_s + self.sync_collective_s + self.dcn_s
 
 
 def roofline_seconds(
@@ -325,6 +344,7 @@ def estimate_step(
     has_loop: bool,
     assumption: str = COMPILER,
     windows_s: dict[str, float] | None = None,
+    dcn: Sequence[hlo.DcnTransfer] = (),
 ) -> tuple[StepEstimate, list[float]]:
     """The step-time estimate under ``assumption`` and each collective's per-step seconds.
 
@@ -338,6 +358,7 @@ def estimate_step(
       assumption: one of :data:`ASSUMPTIONS`.
       windows_s: per asynchronous collective (by instruction name), the seconds of
         work the schedule runs while it is in flight; what hides it.
+      dcn: the program's transfers between slices (:func:`dcn_seconds`).
     """
     seconds, hidden = [], 0.0
     windows_s = windows_s or {}
@@ -350,4 +371,8 @@ def estimate_step(
             hidden += min(per_call, window) * (per_step / per_call if per_call else 0.0)
     async_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if c.is_async)
     sync_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if not c.is_async)
-    return StepEstimate(compute_s, async_s, sync_s, hidden), seconds
+    dcn_s = math.fsum(
+        dcn_seconds(t, topo, assumption) / (1 if t.in_loop or not has_loop else steps_per_loop)
+        for t in dcn
+    )
+    return StepEstimate(compute_s, async_s, sync_s, hidden, dcn_s), seconds

@@ -315,9 +315,9 @@ def shape_bytes(type_text: str) -> int:
     )
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """All collectives of a partitioned HLO module, marked in-loop or not."""
-    bodies = computations(hlo_text)
+def _loop_depths(bodies: dict[str, list[str]]) -> collections.Counter[str]:
+    """How many ``while`` bodies enclose each computation: 1 in the K-step loop, 2 in
+    a loop nested inside it (over micro-batches, over a stack of layers)."""
     calls = {
         name: {
             c.strip().lstrip("%")
@@ -344,11 +344,16 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                 stack.extend(calls.get(name, ()))
         return seen
 
-    # How many while bodies enclose a computation: 1 in the K-step loop, 2 in a
-    # loop nested inside it (e.g. over micro-batches).
     depth: collections.Counter[str] = collections.Counter()
     for body in loop_bodies:
         depth.update(reachable(body))
+    return depth
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """All collectives of a partitioned HLO module, marked in-loop or not."""
+    bodies = computations(hlo_text)
+    depth = _loop_depths(bodies)
     # A TPU back end may fuse all-reduce + dynamic-slice into one kCustom fusion that
     # runs as a true reduce-scatter; its emitter sits on the fusion, not the all-reduce.
     fused_scatter = {
@@ -412,6 +417,63 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                     name=instruction_name(line),
                     computation=name,
                     fused_with=fused_with.get(name, ""),
+                )
+            )
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnTransfer:
+    """One collective step between slices over the data-center network.
+
+    A multi-slice TPU program is the program of one slice: its collectives' replica
+    groups are that slice's devices (ICI), and what crosses slices is a ``send`` to
+    libtpu's megascale runtime (``_xla_host_transfer_handler_name="xla_megascale_runtime"``),
+    of a kind (``_xla_megascale_transfer_type``) over the slices its target names
+    (``_xla_megascale_target="{1,2}x{0:31}"``: slices 1 and 2, devices 0-31 of each).
+
+    Attributes:
+      kind: ``ALL_REDUCE``, ``REDUCE_SCATTER`` or ``ALL_GATHER``.
+      bytes: bytes each device sends into it (the send's operand).
+      slices: how many slices take part.
+      in_loop: whether it runs inside the K-step loop (once per step).
+      name: the send's instruction name.
+    """
+
+    kind: str
+    bytes: int
+    slices: int
+    in_loop: bool
+    name: str = ""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device puts on the DCN: ``2 (S-1)/S`` of its buffer for an
+        all-reduce over S slices, ``(S-1)/S`` for the others."""
+        share = (self.slices - 1) / max(self.slices, 1)
+        return (2 if self.kind == "ALL_REDUCE" else 1) * share * self.bytes
+
+
+def dcn_transfers(hlo_text: str) -> list[DcnTransfer]:
+    """The transfers of a compiled multi-slice TPU program that cross slices."""
+    bodies = computations(hlo_text)
+    depth = _loop_depths(bodies)
+    found = []
+    for name, lines in bodies.items():
+        for line in lines:
+            ins = instruction(line)
+            if ins is None or ins.opcode != "send" or "xla_megascale_runtime" not in line:
+                continue
+            kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+            target = re.search(r'_xla_megascale_target="\{([\d,]*)\}', line)
+            data = _SHAPE.findall(ins.type_text)[:1]  # (operand, u32, token)
+            found.append(
+                DcnTransfer(
+                    kind=kind.group(1) if kind else "?",
+                    bytes=shape_bytes("{}[{}]".format(*data[0])) if data else 0,
+                    slices=len(_ints(target.group(1))) if target else 2,
+                    in_loop=depth[name] > 0,
+                    name=ins.name,
                 )
             )
     return found

@@ -29,6 +29,22 @@ Sources (abbreviated in the table):
 * [H200] NVIDIA H200 Tensor Core GPU datasheet (SXM: BF16 1,979 TFLOPS with
   sparsity = 989.5 dense, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s).
 
+DCN (the data-center network between slices) bandwidth is kept as bytes/s per chip,
+a (low, high) range: equal where Google publishes it, a named assumption where not
+(cost figures say which):
+
+* v5e: "Data center network bandwidth per Pod | 6.4 Tbps" over 256 chips (and "2 x
+  100 Gbps NIC" per 8-chip host) = 25 Gbit/s per chip [TPUv5e];
+* v5p: "Data center network (DCN) bandwidth per chip (Gbps) | 50" [TPUv5p];
+* v6e: "Data center network bandwidth per Pod | 25.6 Tbps" over 256 chips =
+  100 Gbit/s per chip [TPUv6e]; the scaling book ("How to think about TPUs") has
+  the same three per-chip figures (3.125e9, 6.25e9, 12.5e9 B/s, egress);
+* v4 (no DCN figure published; multislice runs on v4) and v3 (Cloud multislice is
+  v4 and later; the MLPerf v0.7 multipod joined v3 pods by cross-pod ICI links, not
+  the DCN): assumed 25-50 Gbit/s per chip, from v5e's published figure to v5p's
+  (which equals the scaling book's older "2.5e10 bytes / second per host" over a
+  4-chip host).
+
 ICI bandwidth is kept as one-way bytes/s per link. Google publishes it in three
 ways; all agree with the per-link figure used here: per link [CACM20]; per chip
 "bidirectional" (= links x 2 x one-way) [TPUv5e/v5p/v6e]; and "all-reduce
@@ -61,6 +77,9 @@ class Accelerator:
       ici_links_per_chip: inter-chip links of a chip (TPU ICI; 0 for GPUs).
       ici_link_bandwidth: one-way bytes/s of one link.
       source: the references of this row (see the module docstring).
+      dcn_bandwidth_per_chip: (low, high) bytes/s a chip sends over the DCN: the
+        published figure twice, or an assumed range (``dcn_assumed``).
+      dcn_assumed: whether that range is an assumption (no published figure).
     """
 
     name: str
@@ -70,6 +89,8 @@ class Accelerator:
     ici_links_per_chip: int = 0
     ici_link_bandwidth: float = 0.0
     source: str = ""
+    dcn_bandwidth_per_chip: tuple[float, float] = (0.0, 0.0)
+    dcn_assumed: bool = False
 
     def hbm_bytes(self, devices_per_chip: int = 1) -> float:
         """HBM capacity of one JAX device."""
@@ -84,24 +105,31 @@ class Accelerator:
         return self.peak_bf16_flops_per_chip / devices_per_chip
 
 
+# DCN bytes/s per chip where Google publishes none: v5e's 25 to v5p's 50 Gbit/s.
+_DCN_ASSUMED = (25e9 / 8, 50e9 / 8)
+
 _TABLE = (
     # TPU v2: 46 TFLOPS, 16 GiB, 700 GB/s, 4 ICI links x 496 Gbit/s, 2-D torus [CACM20].
     Accelerator("v2", 16 * GIB, 700 * GB, 46e12, 4, 496e9 / 8, "CACM20"),
     # TPU v3: 123 TFLOPS, 32 GiB, 900 GB/s, 2-D torus [TPUv3]; 4 ICI links x 656
     # Gbit/s [CACM20] (the scaling book's table says 1e11 B/s one way, 22% more).
-    Accelerator("v3", 32 * GIB, 900 * GB, 123e12, 4, 656e9 / 8, "TPUv3, CACM20"),
+    Accelerator(
+        "v3", 32 * GIB, 900 * GB, 123e12, 4, 656e9 / 8, "TPUv3, CACM20", _DCN_ASSUMED, True
+    ),
     # TPU v4: 275 TFLOPS, 32 GiB, 1200 GB/s, 3-D torus, 1.1 PB/s all-reduce bandwidth
     # over 4096 chips x 6 links [TPUv4].
-    Accelerator("v4", 32 * GIB, 1200 * GB, 275e12, 6, 1.1e15 / 4096 / 6, "TPUv4"),
+    Accelerator(
+        "v4", 32 * GIB, 1200 * GB, 275e12, 6, 1.1e15 / 4096 / 6, "TPUv4", _DCN_ASSUMED, True
+    ),
     # TPU v5e: 197 TFLOPS, 16 GB, 819 GB/s, 400 GB/s bidirectional ICI per chip over
     # 4 ports, 2-D torus, 256-chip pod (16 x 16) [TPUv5e].
-    Accelerator("v5e", 16 * GB, 819 * GB, 197e12, 4, 400 * GB / 8, "TPUv5e"),
+    Accelerator("v5e", 16 * GB, 819 * GB, 197e12, 4, 400 * GB / 8, "TPUv5e", (25e9 / 8,) * 2),
     # TPU v5p: 459 TFLOPS, 95 GiB, 2575 GiB/s, 1200 GB/s bidirectional ICI per chip
     # over 6 links, 3-D torus [TPUv5p].
-    Accelerator("v5p", 95 * GIB, 2575 * GIB, 459e12, 6, 1200 * GB / 12, "TPUv5p"),
+    Accelerator("v5p", 95 * GIB, 2575 * GIB, 459e12, 6, 1200 * GB / 12, "TPUv5p", (50e9 / 8,) * 2),
     # TPU v6e: 918 TFLOPS, 32 GB, 1640 GB/s, 800 GB/s bidirectional ICI per chip over
     # 4 ports, 2-D torus, 256-chip pod (16 x 16) [TPUv6e].
-    Accelerator("v6e", 32 * GB, 1640 * GB, 918e12, 4, 800 * GB / 8, "TPUv6e"),
+    Accelerator("v6e", 32 * GB, 1640 * GB, 918e12, 4, 800 * GB / 8, "TPUv6e", (100e9 / 8,) * 2),
     Accelerator("a100-40gb", 40 * GB, 1555 * GB, 312e12, source="A100"),
     Accelerator("a100-80gb", 80 * GB, 2039 * GB, 312e12, source="A100"),
     Accelerator("h100-sxm", 80 * GB, 3350 * GB, 989.5e12, source="H100"),

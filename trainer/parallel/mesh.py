@@ -1,14 +1,21 @@
 """Device mesh from the config.
 
 The config names the mesh axes and their sizes, e.g. ``{"data": -1, "model": 1}``
-(-1 = "all devices the other axes leave"). With several slices (TPU multislice,
-``device.slice_index``) the ``dcn`` sizes say how each axis spans slices, and a
-hybrid ICI x DCN mesh is built so that only the outer axes cross the slow links.
+(-1 = "all devices the other axes leave"), per slice. With several slices joined
+by the data-center network (TPU multislice: ``device.slice_index``) the ``dcn``
+sizes say how many slices each axis spans; each slice's devices are laid out as a
+single slice's would be, and the slices are stacked as the outer factor of those
+axes, so only the outermost part of an axis crosses the slow links. Off TPU each
+process stands in for a slice (a host of GPUs joined to the others by its network;
+on CPU, ``launch.local``'s processes), chosen by the same ``dcn`` config.
 
 Weight-update sharding can shard within groups of G data replicas (partial
 sharding, Xu et al. 2020, section 5.2). The mesh then splits its ``data`` axis
 into ``replica`` (D / G, across groups) x ``data`` (G, within a group): batches
-shard over both, optimizer state only over the inner one.
+shard over both, optimizer state only over the inner one. A group never spans
+slices: G is at most a slice's share of ``data``, and ``replica`` runs across the
+groups of a slice first, then across slices (MLPerf multipod paper, section 3.3:
+the slow dimension carries only what the fast one has reduced).
 
 On TPU devices the mesh follows the torus (:func:`trainer.parallel.torus.device_grid`):
 the innermost axes take the cores and neighbouring chips, so a group of
@@ -103,6 +110,33 @@ def split_data_axis(sizes: Mapping[str, int], shard_group_size: int) -> dict[str
     return out
 
 
+def slices(devices: Sequence[jax.Device], wanted: int) -> list[list[jax.Device]]:
+    """``devices`` grouped by slice, in slice order: TPU devices by ``slice_index``;
+    other devices, when ``wanted`` > 1, by process (each process a slice).
+
+    Raises:
+      MeshError: the devices do not form ``wanted`` slices of equal size.
+    """
+
+    def grouped(key) -> list[list[jax.Device]]:
+        out: dict[int, list[jax.Device]] = {}
+        for d in devices:
+            out.setdefault(key(d), []).append(d)
+        return [out[k] for k in sorted(out)]
+
+    found = grouped(lambda d: getattr(d, "slice_index", 0))
+    how = "slice(s)"
+    if len(found) == 1 and wanted > 1 and devices[0].platform != "tpu":
+        found, how = grouped(lambda d: d.process_index), "process(es), one per slice"
+    if len(found) != wanted:
+        raise MeshError(
+            f"mesh: dcn axes multiply to {wanted} slices, but the devices form {len(found)} {how}"
+        )
+    if len({len(s) for s in found}) > 1:
+        raise MeshError(f"mesh: slices of unequal sizes {[len(s) for s in found]}")
+    return found
+
+
 def make_mesh(
     axes: Mapping[str, int],
     dcn_axes: Mapping[str, int] | None = None,
@@ -116,48 +150,76 @@ def make_mesh(
       axes: per-slice (ICI) axis sizes; one may be -1.
       dcn_axes: how many slices each axis spans (product = number of slices);
         None or all ones for a single slice.
-      shard_group_size: see :func:`split_data_axis`.
+      shard_group_size: see :func:`split_data_axis`; within a slice.
       devices: devices to use (default: all).
 
     Returns:
       A mesh whose axes are ``replica`` (if present), then the config's axes.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if DATA_AXIS not in axes:
-        raise MeshError(f"mesh: the axes {dict(axes)} must include '{DATA_AXIS}'")
-    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    dcn = {name: 1 for name in axes} | dict(dcn_axes or {})
-    if set(dcn) != set(axes):
-        raise MeshError(f"mesh: dcn axes {sorted(dcn)} must match mesh axes {sorted(axes)}")
-    if math.prod(dcn.values()) != num_slices:
-        raise MeshError(
-            f"mesh: dcn axes {dcn} multiply to {math.prod(dcn.values())} slices, but the "
-            f"devices form {num_slices} slice(s)"
-        )
-    ici = resolve_axis_sizes(axes, len(devices) // num_slices)
-    total = {name: ici[name] * dcn[name] for name in axes}
-    total = split_data_axis(total, shard_group_size)
-    names = tuple(total)
-    shape = tuple(total.values())
-    if num_slices > 1:
-        # Partial sharding splits only the global data axis, so the hybrid mesh is
-        # built with the config's axes and reshaped afterwards.
-        grid = mesh_utils.create_hybrid_device_mesh(
-            tuple(ici.values()), tuple(dcn.values()), devices
-        )
-        grid = np.asarray(grid).reshape(shape)
-    else:
-        grid = torus.device_grid(devices, shape)
-        if grid is None:
-            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    grid, names = device_array(axes, dcn_axes, shard_group_size, devices)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def describe_groups(mesh: Mesh) -> str:
+def device_array(
+    axes: Mapping[str, int],
+    dcn_axes: Mapping[str, int] | None,
+    shard_group_size: int,
+    devices: Sequence[jax.Device],
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The devices of :func:`make_mesh` as an array, and its axis names."""
+    if DATA_AXIS not in axes:
+        raise MeshError(f"mesh: the axes {dict(axes)} must include '{DATA_AXIS}'")
+    dcn = {name: 1 for name in axes} | dict(dcn_axes or {})
+    if set(dcn) != set(axes):
+        raise MeshError(f"mesh: dcn axes {sorted(dcn)} must match mesh axes {sorted(axes)}")
+    if any(n < 1 for n in dcn.values()):
+        raise MeshError(f"mesh: dcn axis sizes must be >= 1, got {dcn}")
+    groups = slices(devices, math.prod(dcn.values()))
+    ici = split_data_axis(resolve_axis_sizes(axes, len(groups[0])), shard_group_size)
+    # The slices are the outer factor of the axes that span them; the data axis's
+    # goes to ``replica``: a group stays inside its slice.
+    spans = {name: dcn.get(name, 1) for name in ici} | {
+        REPLICA_AXIS: dcn[DATA_AXIS],
+        DATA_AXIS: 1,
+    }
+    names = tuple(ici)
+    per_slice = tuple(ici.values())
+    grid = np.empty(tuple(ici[n] * spans[n] for n in names), dtype=object)
+    for position, slice_devices in zip(np.ndindex(*(spans[n] for n in names)), groups, strict=True):
+        block = tuple(slice(p * n, (p + 1) * n) for p, n in zip(position, per_slice, strict=True))
+        grid[block] = _slice_grid(slice_devices, per_slice)
+    return grid, names
+
+
+def _slice_grid(devices: Sequence[jax.Device], shape: tuple[int, ...]) -> np.ndarray:
+    """One slice's devices as an array of ``shape``: on the torus for TPU devices
+    (:func:`trainer.parallel.torus.device_grid`), in JAX's order otherwise."""
+    grid = torus.device_grid(devices, shape)
+    if grid is None:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return np.asarray(grid, dtype=object)
+
+
+def describe_groups(mesh: Mesh, num_slices: int = 1) -> str:
     """Where the mesh's update-sharding groups (its ``data`` axis) sit, e.g.
-    ``group = torus row x, 32 chips x 2 cores, wraps; 32 groups along y``."""
+    ``group = torus row x, 32 chips x 2 cores, wraps; 32 groups along y``; with
+    ``num_slices`` > 1 (the config's ``dcn`` axes), within one slice, and how many."""
     axis = mesh.axis_names.index(DATA_AXIS)
-    return torus.describe_groups(mesh.devices, axis, list(mesh.devices.flat))
+    devices = list(mesh.devices.flat)
+    if num_slices == 1:
+        return torus.describe_groups(mesh.devices, axis, devices)
+
+    def key(d):
+        return getattr(d, "slice_index", 0) if d.platform == "tpu" else d.process_index
+
+    first = key(devices[0])
+    one = np.moveaxis(mesh.devices, axis, -1)
+    one = one.reshape(-1, one.shape[-1])
+    in_slice = np.asarray([row for row in one if key(row[0]) == first])
+    text = torus.describe_groups(in_slice, 1, [d for d in devices if key(d) == first])
+    what = "slices" if devices[0].platform == "tpu" else "processes standing in for slices"
+    return f"{text}; in each of {num_slices} {what} (DCN between them)"
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
