@@ -8,7 +8,12 @@
 #
 # install uses the [tpu] extra (jax[tpu] pinned to the project's jax). JAX finds
 # the workers (and slices) from the TPU VM metadata server, so the trainer needs
-# no distributed flags. See launch/README.md for the gcloud commands spelled out.
+# no distributed flags. Several slices (create ... SLICES > 1, multislice: v4 and
+# later) are a queued resource of SLICES nodes: install and run then reach every
+# worker of every node, and `run` passes --config.mesh.dcn_axes.data=SLICES (data
+# parallelism across the slices) unless the trainer args set dcn axes themselves.
+# The slices find each other through MEGASCALE_* in the VMs' metadata (JAX's own
+# multislice start-up). See launch/README.md for the gcloud commands spelled out.
 set -euo pipefail
 
 usage() { sed -n '2,7p' "$0"; exit 2; }
@@ -17,8 +22,28 @@ action=$1 name=$2 zone=$3
 shift 3
 runtime=${TPU_RUNTIME_VERSION:-tpu-ubuntu2204-base}
 
+# Nodes of the queued resource NAME (0 when NAME is a plain TPU VM).
+slices() {
+  gcloud compute tpus queued-resources describe "$name" --zone="$zone" \
+    --format='value(tpu.nodeSpec[0].multisliceParams.nodeCount)' 2>/dev/null || true
+}
+
 ssh_all() {
-  gcloud compute tpus tpu-vm ssh "$name" --zone="$zone" --worker=all --command="$1"
+  if [[ -n "$(slices)" ]]; then
+    gcloud compute tpus queued-resources ssh "$name" --zone="$zone" --node=all --worker=all \
+      --command="$1"
+  else
+    gcloud compute tpus tpu-vm ssh "$name" --zone="$zone" --worker=all --command="$1"
+  fi
+}
+
+scp_all() {
+  if [[ -n "$(slices)" ]]; then
+    gcloud compute tpus queued-resources scp "$1" "$name":"$2" --zone="$zone" --node=all \
+      --worker=all
+  else
+    gcloud compute tpus tpu-vm scp "$1" "$name":"$2" --zone="$zone" --worker=all
+  fi
 }
 
 case "$action" in
@@ -37,18 +62,26 @@ case "$action" in
   install)
     here=$(cd "$(dirname "$0")/.." && pwd)
     tar -C "$here" --exclude=.git --exclude=.venv -czf /tmp/wus-trainer.tgz .
-    gcloud compute tpus tpu-vm scp /tmp/wus-trainer.tgz "$name":/tmp/ --zone="$zone" --worker=all
+    scp_all /tmp/wus-trainer.tgz /tmp/
     ssh_all "mkdir -p ~/wus-trainer && tar -C ~/wus-trainer -xzf /tmp/wus-trainer.tgz && \
       cd ~/wus-trainer && pip install -e '.[tpu]'"
     ;;
   run)
     [[ "${1:-}" == "--" ]] && shift
+    count=$(slices)
+    if [[ "${count:-0}" -gt 1 && "$*" != *dcn_axes* ]]; then
+      set -- "$@" "--config.mesh.dcn_axes.data=$count"
+    fi
     args=$(printf '%q ' "$@")
     # All workers start the same command; their output streams back here.
     ssh_all "cd ~/wus-trainer && python -m trainer $args 2>&1 | tee -a ~/train.log"
     ;;
   delete)
-    gcloud compute tpus tpu-vm delete "$name" --zone="$zone" --quiet
+    if [[ -n "$(slices)" ]]; then
+      gcloud compute tpus queued-resources delete "$name" --zone="$zone" --force --quiet
+    else
+      gcloud compute tpus tpu-vm delete "$name" --zone="$zone" --quiet
+    fi
     ;;
   *)
     usage

@@ -110,12 +110,17 @@ def report(results: dict, peak: float, measured: bool) -> None:
 
 
 def plan_table(results: dict) -> str:
-    """The per-parameter sharding plan: one row per parameter, one layout column per mode."""
+    """The per-parameter sharding plan: one row per parameter, one layout column per
+    mode, and with several slices one column per mode of what crosses them (``dcn``)."""
     modes = list(results)
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for mode in modes:
-        for name, shape, layout in results[mode]["plan"]:
+        for name, shape, layout, crossing in results[mode]["plan"]:
             rows.setdefault((name, shape), {})[mode] = layout
+            if crossing:
+                rows[(name, shape)][f"{mode} dcn"] = crossing
+    if any(f"{m} dcn" in r for r in rows.values() for m in modes):
+        modes = [column for m in modes for column in (m, f"{m} dcn")]
     widths = [max([len("parameter")] + [len(name) for name, _ in rows])]
     widths.append(max([len("shape")] + [len(shape) for _, shape in rows]))
     widths += [max([len(m)] + [len(r.get(m, "-")) for r in rows.values()]) for m in modes]

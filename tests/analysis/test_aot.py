@@ -405,3 +405,49 @@ def test_scanned_layers_keep_the_collectives_per_step_whatever_the_depth():
     assert group_collectives(3, True) == (counts, stacks)
     per_layer, leaves = group_collectives(2, False)
     assert leaves == 2 * 16 + 1 and per_layer["reduce-scatter"] > 2 * stacks - 4
+
+
+def test_only_a_slices_share_of_each_gradient_crosses_the_dcn():
+    """Two v3:2x2 slices (8 cores each), groups of 4: what crosses the data-center
+    network, read from the compiled program (libtpu's megascale sends), is each
+    gradient reduced inside its slice first: 1/8 of it per device, in `none` as in
+    `wus` - the compiler splits the all-reduce over both slices into an ICI
+    reduce-scatter, a DCN all-reduce of the slice's shard and an ICI all-gather (the
+    MLPerf multipod order). No full-size gradient crosses."""
+    try:
+        devices = compiled_lib.topology_devices(TOPOLOGY, num_slices=2)
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot load here: {e}")
+    config = tiny_config(
+        **{
+            "model.emb_dim": 512,
+            "model.qkv_dim": 512,
+            "model.num_heads": 8,
+            "model.mlp_dim": 2048,
+            "model.vocab_size": 4096,
+            "optimizer.shard_group_size": 4,
+            "optimizer.min_shard_bytes": 65536,
+            "global_batch_size": 32,
+        }
+    )
+    config.data.vocab_size = 4096
+    config.mesh.dcn_axes.data = 2
+    exp = experiment.build(config, devices=devices, with_data=False)
+    sizes = [math.prod(p.shape) for p in jax.tree.leaves(exp.model.abstract_params)]
+    per_device = 4 * sum(sizes) / 8  # f32, reduced over the 8 devices of a slice first
+    for mode in ("none", "wus"):
+        r = compiled_lib.analyze(config, devices, mode)
+        assert r["num_slices"] == 2 and r["devices_per_host"] == 8
+        sent = [t for t in r["dcn_transfers"] if t["per_step"]]
+        assert {t["kind"] for t in sent} == {"ALL_REDUCE"} and all(t["slices"] == 2 for t in sent)
+        assert per_device <= sum(t["bytes"] for t in sent) <= 1.05 * per_device, mode
+        assert max(t["bytes"] for t in sent) <= 1.05 * 4 * max(sizes) / 8, mode
+        # Over 2 slices each device puts its share on the DCN once (2 x 1/2 of it); what
+        # runs outside the K-step loop counts once per K = 2 steps.
+        once = sum(t["bytes"] for t in r["dcn_transfers"] if not t["per_step"])
+        assert r["dcn_bytes_per_host_per_step"] == pytest.approx(
+            8 * (sum(t["bytes"] for t in sent) + once / 2)
+        )
+        assert r["groups"].endswith("in each of 2 slices (DCN between them)")
+        est = r["est_step_time_s"]["by_assumption"]
+        assert est["compiler"]["dcn"] > 0 and est["pessimistic"]["dcn"] > est["compiler"]["dcn"]

@@ -39,7 +39,7 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def launch(workdir, processes, data_dir, timeout=600):
+def launch(workdir, processes, data_dir, timeout=600, **overrides):
     cmd = [
         sys.executable,
         "-m",
@@ -47,13 +47,21 @@ def launch(workdir, processes, data_dir, timeout=600):
         f"--num_processes={processes}",
         "--cpu_devices=8",
         "--",
-        *tiny_flags(workdir, data_dir, **RUN),
+        *tiny_flags(workdir, data_dir, **{**RUN, **overrides}),
     ]
     return run_command(cmd, timeout=timeout)
 
 
 def single(workdir, data_dir, timeout=600):
     return run_command(tiny_command(workdir, data_dir, **RUN), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, data_dir):
+    workdir = tmp_path_factory.mktemp("one")
+    result = single(workdir, data_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
 
 
 def losses(workdir):
@@ -75,18 +83,47 @@ def two_process_run(tmp_path_factory, data_dir):
     return workdir, result.stdout
 
 
-def test_process_counts_give_the_same_losses(two_process_run, data_dir, tmp_path):
+def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
     workdir, out = two_process_run
     assert "[p0] step      24/24" in out and "[p1] step" not in out  # only process 0 reports
-    runs = {2: losses(workdir)}
-    result = single(tmp_path / "one", data_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs[1] = losses(tmp_path / "one")
+    runs = {2: losses(workdir), 1: losses(one_process_run)}
     assert sorted(runs[1]) == sorted(runs[2]) == [12, 24]
     for step in (12, 24):
         assert runs[2][step] == pytest.approx(runs[1][step], rel=1e-4), step
     assert runs[1][24] < runs[1][12]
-    assert position(workdir, 24) == position(tmp_path / "one", 24) == {"global_batch": 24}
+    assert position(workdir, 24) == position(one_process_run, 24) == {"global_batch": 24}
+
+
+def test_two_slices_train_as_one_and_checkpoints_cross_between_them(
+    one_process_run, data_dir, tmp_path
+):
+    # Each of the 2 processes stands in for a slice (mesh.dcn_axes.data=2, as on TPU
+    # multislice): groups of 4 inside each, the shards' all-reduce across them.
+    result = launch(tmp_path / "slices", 2, data_dir, **{"mesh.dcn_axes.data": 2})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert (
+        "[p0] shard groups: group = 4 cpu devices in device order (no torus); 1 group; "
+        "in each of 2 processes standing in for slices (DCN between them)" in out
+    )
+    assert "mesh {'replica': 2, 'data': 4, 'model': 1}" in out
+    one, two = losses(one_process_run), losses(tmp_path / "slices")
+    assert sorted(two) == [12, 24]
+    for step in two:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+    # Its step-12 checkpoint resumes on one slice (one process, 8 devices), and the
+    # one-slice run's step-12 checkpoint on two: both end where the others did.
+    for source, resume in (
+        (tmp_path / "slices", lambda w: single(w, data_dir)),
+        (one_process_run, lambda w: launch(w, 2, data_dir, **{"mesh.dcn_axes.data": 2})),
+    ):
+        workdir = tmp_path / f"from_{source.name}"
+        shutil.copytree(source, workdir)
+        shutil.rmtree(workdir / "checkpoints" / "24")
+        result = resume(workdir)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        assert "resumed from the checkpoint of step 12" in result.stdout
+        assert losses(workdir)[24] == pytest.approx(losses(source)[24], rel=1e-4)
 
 
 def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir, tmp_path):

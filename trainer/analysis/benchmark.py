@@ -5,6 +5,7 @@ collective bytes per step from the HLO after SPMD partitioning, checkpoint saves
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 import time
@@ -53,7 +54,9 @@ def bench_mode(
 
     result = {
         "state_bytes_per_device": per_device((state.params, state.opt_state)),
-        "plan": [list(map(str, row)) for row in exp.plan.table()],
+        "plan": [
+            list(map(str, row)) for row in exp.plan.table(math.prod(config.mesh.dcn_axes.values()))
+        ],
         "groups": mesh_lib.describe_groups(exp.mesh),
     }
     for i, k in enumerate(loop_lengths):

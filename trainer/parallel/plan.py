@@ -303,13 +303,30 @@ class UpdateShardingPlan:
             ),
         )
 
-    def table(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(name, logical shape, layout and gather dtype) for every parameter."""
+    def table(self, num_slices: int = 1) -> list[tuple[str, tuple[int, ...], str, str]]:
+        """(name, logical shape, layout and gather dtype, what crosses slices) for every
+        parameter; the last is "" on one slice (``num_slices``: the config's DCN axes).
+
+        Across slices, only the reduction that spans them crosses the data-center
+        network: a sharded parameter's reduce-scatter stays inside its group (a
+        slice's), and the all-reduce of its shard across groups crosses, 1/G of the
+        gradient; a replicated one's gradient all-reduce crosses whole. (The TPU
+        compiler reduces inside each slice before the DCN: what a device sends is
+        this divided by the slice's other participants; ``trainer.aot`` reads it.)
+        The gathers never cross.
+        """
         layouts, low, treedef = self._flat()
         paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)]
         bucket_of = {i: b for b, bucket in enumerate(self.gather_buckets) for i in bucket}
+        group = self.mesh.shape[mesh_lib.DATA_AXIS]
+        reduce_bytes = np.dtype(self.reduce_dtype).itemsize
         rows = []
         for i, (path, lay, round_it) in enumerate(zip(paths, layouts, low, strict=True)):
+            crossing = ""
+            if num_slices > 1:
+                elements = math.prod(lay.stored_shape) // (group if lay.sharded else 1)
+                what = "shard all-reduced across groups" if lay.sharded else "all-reduced"
+                crossing = f"{what}, {elements * reduce_bytes:,} B"
             gather = (
                 f", gathered in {np.dtype(self.gather_dtype).name}"
                 if lay.sharded and round_it
@@ -317,13 +334,7 @@ class UpdateShardingPlan:
             )
             if i in bucket_of:
                 gather += f" in bucket {bucket_of[i]}"
-            rows.append(
-                (
-                    rules_lib.param_name(path),
-                    lay.shape,
-                    lay.describe() + gather,
-                )
-            )
+            rows.append((rules_lib.param_name(path), lay.shape, lay.describe() + gather, crossing))
         return rows
 
 

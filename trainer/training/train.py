@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 
 import jax
@@ -21,6 +22,7 @@ from etils import epath
 from trainer import checkpoint as checkpoint_lib
 from trainer.data import feed as feed_lib
 from trainer.parallel import batches, hardware
+from trainer.parallel import mesh as mesh_lib
 from trainer.reporting import metrics as metrics_lib
 from trainer.reporting import rows as rows_lib
 from trainer.reporting import summary as summary_lib
@@ -147,6 +149,8 @@ def _train(
         f"{len(devices)} {devices[0].device_kind} devices in {jax.process_count()} "
         f"process(es); mesh {dict(mesh.shape)}; update sharding '{exp.plan.mode}'"
     )
+    if (slices := math.prod(config.mesh.dcn_axes.values())) > 1:
+        info(f"shard groups: {mesh_lib.describe_groups(mesh, slices)}")
 
     # ------------------------------------------------ restore or initialise
     checkpointer = checkpoint_lib.Checkpointer(directory, keep=config.keep_checkpoints)
