@@ -13,22 +13,23 @@ import ml_collections
 def base_config() -> ml_collections.ConfigDict:
     """The common top-level keys and the mesh and optimizer sections."""
     config = ml_collections.ConfigDict()
-    config.seed = 0
-    config.global_batch_size = 256
-    config.num_train_steps = 1000
+    config.seed = 0  # initialisation, dropout and the input order derive from it
+    config.global_batch_size = 256  # examples per optimizer step, over all devices
+    config.num_train_steps = 1000  # optimizer steps of the whole run
     # K training steps run inside one compiled call; Python only runs between loops,
     # so the *_every_steps below must be multiples of it.
     config.steps_per_loop = 10
-    config.log_every_steps = 100
-    config.eval_every_steps = 1000
-    config.checkpoint_every_steps = 1000  # 0 = only at the end
-    config.keep_checkpoints = 3  # >= 1: the newest complete checkpoint is never deleted
+    config.log_every_steps = 100  # a metrics row and console line every N steps; 0 = never
+    config.eval_every_steps = 1000  # evaluate every N steps and at the end; 0 = never
+    config.checkpoint_every_steps = 1000  # save every N steps and at the end; 0 = only at the end
+    config.keep_checkpoints = 3  # checkpoints kept (>= 1; the newest complete one always)
     # Warn (once) when a step's loss exceeds this many times the lowest of the 1000 steps
     # before it: a diverging run may never reach NaN. 0 = never.
     config.loss_growth_warning = 10.0
-    # One run at a time holds a work directory (DIR/run.lock; trainer/runtime/lock.py).
-    # In an object store (gs://) a lock not renewed for this long is a dead run's and
-    # is taken over; local directories need no timeout (the OS drops a dead run's lock).
+    # Seconds after which a work directory's lock in an object store (gs://), not renewed,
+    # is a dead run's and is taken over. One run at a time holds a work directory
+    # (DIR/run.lock, trainer/workdir/lock.py); a local one needs no timeout (the OS
+    # drops a dead run's lock).
     config.workdir_lock_timeout_s = 60.0
     # Peak FLOP/s of one device for MFU. 0 = from the device kind (trainer/parallel/hardware.py:
     # published bf16 peaks of TPU v2-v6e, A100/H100/H200); a CPU has none, so no MFU.
@@ -65,8 +66,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Weights & Biases: also log there when a project is set (pip install -e '.[wandb]').
     config.wandb = ml_collections.ConfigDict(
         dict(
-            project=ml_collections.FieldReference(None, field_type=str),
-            entity=ml_collections.FieldReference(None, field_type=str),
+            project=ml_collections.FieldReference(None, field_type=str),  # None = no W&B
+            entity=ml_collections.FieldReference(None, field_type=str),  # team or user
         )
     )
 
@@ -75,24 +76,25 @@ def base_config() -> ml_collections.ConfigDict:
     config.mesh.axes = ml_collections.ConfigDict({"data": -1, "model": 1})
     # How many slices each axis spans (multi-slice runs over DCN).
     config.mesh.dcn_axes = ml_collections.ConfigDict({"data": 1, "model": 1})
+    # (logical axis, mesh axis or None) pairs: how the model's named axes are split.
     config.mesh.rules = (("batch", "data"),)
     # Use only the first N devices (0 = all), e.g. to try a smaller mesh on a laptop.
     config.mesh.num_devices = 0
 
     config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.name = "adam"
-    config.optimizer.learning_rate = 1e-3
-    config.optimizer.schedule = "constant"
-    config.optimizer.warmup_steps = 0
-    config.optimizer.end_learning_rate = 0.0  # polynomial schedule
-    config.optimizer.power = 2.0  # polynomial schedule
-    config.optimizer.b1 = 0.9
-    config.optimizer.b2 = 0.999
-    config.optimizer.eps = 1e-8
-    config.optimizer.weight_decay = 0.0
-    config.optimizer.momentum = 0.9  # momentum, lars
-    config.optimizer.nesterov = False
-    config.optimizer.trust_coefficient = 0.001  # lars
+    config.optimizer.name = "adam"  # sgd | momentum | adam | adamw | lamb | lars
+    config.optimizer.learning_rate = 1e-3  # the peak, after warm-up
+    config.optimizer.schedule = "constant"  # constant | rsqrt | cosine | polynomial
+    config.optimizer.warmup_steps = 0  # linear warm-up from 0 to learning_rate
+    config.optimizer.end_learning_rate = 0.0  # polynomial schedule: the rate at the end
+    config.optimizer.power = 2.0  # polynomial schedule: the decay's exponent
+    config.optimizer.b1 = 0.9  # adam, adamw, lamb: first-moment decay
+    config.optimizer.b2 = 0.999  # adam, adamw, lamb: second-moment decay
+    config.optimizer.eps = 1e-8  # adam, adamw, lamb: added to the denominator
+    config.optimizer.weight_decay = 0.0  # adamw, lamb, lars (decoupled)
+    config.optimizer.momentum = 0.9  # momentum, lars: the momentum's decay
+    config.optimizer.nesterov = False  # momentum, lars: Nesterov's variant
+    config.optimizer.trust_coefficient = 0.001  # lars: the trust ratio's coefficient
     config.optimizer.clip_norm = 0.0  # 0 = no global-norm clipping
     # Optimizer state dtype of the param-shaped leaves ("" = the params' dtype).
     config.optimizer.state_dtype = ""
@@ -105,7 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.update_sharding = "wus"
     # Weights every consumer rounds to bf16 anyway are all-gathered in this dtype.
     config.optimizer.gather_dtype = "bfloat16"
-    config.optimizer.reduce_dtype = "float32"
+    config.optimizer.reduce_dtype = "float32"  # dtype gradients are reduced in
     # Shard the update within groups of this many data replicas (0, or more than the
     # data axis has = all of them).
     config.optimizer.shard_group_size = 0
@@ -132,7 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
 def data_config(name: str, *, worker_count: int, **fields) -> ml_collections.ConfigDict:
     """A ``data`` section: the keys every input pipeline reads, then the dataset's own.
 
-    The shared keys are those of trainer/data/options.py:DataOptions.
+    The shared keys are those of trainer/input/options.py:DataOptions.
 
     Args:
       name: TFDS dataset name, or an embedded one (e.g. "tiny_translation").
@@ -142,11 +144,11 @@ def data_config(name: str, *, worker_count: int, **fields) -> ml_collections.Con
     """
     return ml_collections.ConfigDict(
         dict(
-            name=name,
+            name=name,  # the TFDS dataset, an embedded one, or text_pairs
             # Where the prepared TFDS datasets are; None = TFDS's default directory.
             data_dir=ml_collections.FieldReference(None, field_type=str),
-            train_split="train",
-            worker_count=worker_count,
+            train_split="train",  # the TFDS split trained on
+            worker_count=worker_count,  # grain worker processes; 0 = in the trainer
             worker_buffer_size=2,  # batches each worker prepares ahead
             **fields,
         )

@@ -43,13 +43,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # (dense ids of the prepared data must fit; sizes known without reading it).
     config.model = ml_collections.ConfigDict(
         dict(
-            name="ncf",
-            num_users=138_493,
-            num_items=26_744,
-            mf_dim=64,
-            mlp_layers=(256, 256, 128, 64),
-            dtype="bfloat16",
-            param_dtype="float32",
+            name="ncf",  # the model family (models/)
+            num_users=138_493,  # user embedding rows
+            num_items=26_744,  # item embedding rows
+            mf_dim=64,  # the matrix-factorisation branch's embedding width
+            mlp_layers=(256, 256, 128, 64),  # widths of the MLP branch
+            dtype="bfloat16",  # activations and matmuls
+            param_dtype="float32",  # the master weights
         )
     )
     # No eval_split: MovieLens has only "train"; eval is leave-one-out of it.
@@ -58,8 +58,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         # ~0.5-0.8M examples/s per core (python -m trainer.data.bench): a TPU-v3 host
         # consuming ~5-25M examples/s needs ~10-40 cores; workers each hold ~0.5 GB.
         worker_count=16,
-        num_negatives=4,
-        num_eval_negatives=999,
+        num_negatives=4,  # sampled unrated items per rated one, in training
+        num_eval_negatives=999,  # unrated items ranked against each held-out one
     )
     config.optimizer.name = "adam"
     config.optimizer.learning_rate = 0.002
@@ -90,7 +90,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         config.optimizer.min_shard_bytes = 4096
     if "local_20m" in parts:
         # MovieLens-20M-sized ratings generated on this machine
-        # (trainer/data/builders/local_movielens.py), to measure start-up and input
+        # (trainer/input/builders/local_movielens.py), to measure start-up and input
         # throughput: `python -m trainer.data.bench`.
         config.data.name = "local_movielens"
     return config

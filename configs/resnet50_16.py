@@ -48,17 +48,17 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.log_every_steps = 100
     config.eval_every_steps = 4 * IMAGENET_TRAIN_IMAGES // config.global_batch_size // 100 * 100
     config.checkpoint_every_steps = config.eval_every_steps
-    config.label_smoothing = 0.1
+    config.label_smoothing = 0.1  # of the training loss's one-hot targets
     config.model = ml_collections.ConfigDict(
         # num_classes must match the data's (checked when it is read).
         dict(
-            name="resnet",
-            size="resnet50",
-            num_classes=1000,
-            dtype="bfloat16",
-            param_dtype="float32",
-            bn_group_size=0,
-            remat="none",
+            name="resnet",  # the model family (models/)
+            size="resnet50",  # a depth of models/resnet.py:SIZES (resnet18 ... resnet152, tiny)
+            num_classes=1000,  # outputs of the classifier
+            dtype="bfloat16",  # activations and convolutions
+            param_dtype="float32",  # the master weights
+            bn_group_size=0,  # batch norm statistics over groups of N replicas; 0 = all
+            remat="none",  # rematerialisation per block: none | full | dots | dots_no_batch
         )
     )
     config.data = common.data_config(
@@ -66,9 +66,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         # ~400 images/s per core (python -m trainer.data.bench, :local_jpeg); a TPU-v3
         # host consumes ~7,500-10,000 images/s: ~20-25 cores, plus headroom.
         worker_count=32,
-        image_size=224,
-        eval_split="validation",
-        num_eval_examples=-1,
+        image_size=224,  # pixels of the square crops
+        eval_split="validation",  # the TFDS split evaluated on
+        num_eval_examples=-1,  # eval examples (the first N); -1 = all
     )
     config.optimizer.update(
         name="lars",
@@ -103,7 +103,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         config.data.update(name="tiny_images", image_size=32, num_eval_examples=-1, worker_count=0)
         config.optimizer.update(learning_rate=2.0, warmup_steps=30, min_shard_bytes=1024)
     if "local_jpeg" in parts:
-        # ImageNet-size JPEGs generated on this machine (trainer/data/builders/local_jpeg.py): the
+        # ImageNet-size JPEGs generated on this machine (trainer/input/builders/local_jpeg.py): the
         # real decode and augmentation at 224x224, measured by `python -m trainer.data.bench`.
         config.data.update(name="local_jpeg", image_size=224, worker_count=2)
     return config

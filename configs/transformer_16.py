@@ -5,7 +5,7 @@ core), Adam; otherwise as configs/transformer_1024.py (model, optimizer and
 schedule, not retuned for the smaller batch). The paper reports about 9% shorter
 steps with weight-update sharding here (section 6.1).
 
-Run (needs the prepared dataset, see trainer/data/translation.py):
+Run (needs the prepared dataset, see trainer/input/translation.py):
 
   python -m trainer --config configs/transformer_16.py --workdir /tmp/wmt16
 

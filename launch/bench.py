@@ -56,6 +56,7 @@ def run(processes: int, cpu_devices: int, trainer_args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m launch.bench",
         description=__doc__.split("\n")[0],
         epilog="example: python -m launch.bench --processes 1,2 -- --config "
         "configs/transformer_1024.py:tiny --config.num_train_steps=40",

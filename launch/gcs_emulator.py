@@ -20,7 +20,7 @@ Object downloads answer as GCS does where the published package differs:
 Uploads (``uploadType=media`` and ``multipart``) and deletes honour the
 ``ifGenerationMatch`` precondition as GCS does (412 when the object's generation
 differs; ``0`` = the object must not exist), atomically: the work-directory lock
-(trainer/runtime/lock.py) relies on it. The published package ignores it.
+(trainer/workdir/lock.py) relies on it. The published package ignores it.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def serve(host: str, port: int, bucket: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m launch.gcs_emulator",
         description=__doc__.split("\n")[0],
         epilog="example: python -m launch.gcs_emulator --port 9023 --bucket demo-bucket, then "
         "STORAGE_EMULATOR_HOST=http://127.0.0.1:9023 python -m trainer ... --workdir "

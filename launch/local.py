@@ -10,7 +10,7 @@ N CPU devices (collectives over gloo). Their output is prefixed with ``[pI]``.
 * If one process fails, the others are stopped and the launcher exits with the
   failed process's code.
 * SIGTERM and SIGINT are passed on to every process, once each: the first asks
-  them to save and stop, a second Ctrl-C stops them now (trainer/runtime/signals.py).
+  them to save and stop, a second Ctrl-C stops them now (trainer/command/signals.py).
   Each process runs in its own process group, so a terminal's Ctrl-C reaches
   the launcher only, not every process (and data worker) a second time.
 * The processes die with the launcher, whatever kills it. When it exits, it
@@ -19,7 +19,7 @@ N CPU devices (collectives over gloo). Their output is prefixed with ``[pI]``.
   signal; ``WUS_LAUNCHER`` tells them who their launcher is): it stops
   writing to the dead launcher's pipes, saves at the next loop boundary if it
   can, and kills itself and its data workers ``--grace`` seconds later at the
-  latest (trainer/runtime/signals.py).
+  latest (trainer/command/signals.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,10 +46,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(prefix: str, stream, out) -> None:
-    for line in iter(stream.readline, ""):
-        out.write(f"{prefix} {line}")
-        out.flush()
+# Gloo's "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer
+# ranks is : 7", once per rank and collective group, from threads that write over each
+# other ("[Gloo] Rank [Gloo] Rank 1 is ..."): every piece of them is dropped.
+_GLOO = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks|connected peer ranks is")
+# With nothing printed for this long, the launcher says the job is still running.
+QUIET_S = 14.0
+
+
+def is_gloo_noise(line: str) -> bool:
+    """Whether ``line`` is (a piece of) Gloo's connection report."""
+    return bool(_GLOO.search(line))
+
+
+class _Output:
+    """The processes' lines on the launcher's stdout, prefixed ``[pI]``, without Gloo's
+    connection lines; :meth:`heartbeat` says the job is alive when it is quiet."""
+
+    def __init__(self, out):
+        self._out = out
+        self._lock = threading.Lock()
+        self._start = self.last = time.monotonic()
+
+    def pump(self, prefix: str, stream) -> None:
+        for line in iter(stream.readline, ""):
+            if is_gloo_noise(line):
+                continue
+            self.write(f"{prefix} {line}")
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self._out.write(text)
+            self._out.flush()
+            self.last = time.monotonic()
+
+    def heartbeat(self, procs: list[subprocess.Popen], done: threading.Event) -> None:
+        """A line whenever the processes have said nothing for :data:`QUIET_S`
+        (a run between its log lines, a long compile)."""
+        while not done.wait(1.0):
+            now = time.monotonic()
+            if now - self.last >= QUIET_S:
+                running = sum(p.poll() is None for p in procs)
+                self.write(
+                    f"[launch] {running} of {len(procs)} processes running, "
+                    f"{_duration(now - self._start)} since the start, quiet for "
+                    f"{_duration(now - self.last)}\n"
+                )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _die_with(parent: int, libc) -> None:
@@ -121,7 +169,7 @@ def launch(
         ]
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # the device count comes from --cpu_devices
-        env["WUS_LAUNCHER"] = f"{launcher}:{grace_s:g}"  # trainer/runtime/signals.py
+        env["WUS_LAUNCHER"] = f"{launcher}:{grace_s:g}"  # trainer/command/signals.py
         # Started before any thread of ours runs, so preexec_fn is safe here.
         procs.append(
             subprocess.Popen(
@@ -134,15 +182,18 @@ def launch(
                 preexec_fn=lambda: _die_with(launcher, libc),
             )
         )
+    output, done = _Output(sys.stdout), threading.Event()
     pumps = [
-        threading.Thread(target=_pump, args=(f"[p{i}]", p.stdout, sys.stdout), daemon=True)
+        threading.Thread(target=output.pump, args=(f"[p{i}]", p.stdout), daemon=True)
         for i, p in enumerate(procs)
     ]
     for pump in pumps:
         pump.start()
+    threading.Thread(target=output.heartbeat, args=(procs, done), daemon=True).start()
     try:
         return _supervise(procs, forwarded, grace_s)
     finally:
+        done.set()
         for p in procs:  # whatever a process left (its data workers), and stragglers
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
@@ -190,23 +241,34 @@ class _Parser(argparse.ArgumentParser):
 
 def main() -> None:
     parser = _Parser(
+        prog="python -m launch.local",
+        usage="python -m launch.local --num_processes P [--cpu_devices N] [--grace S] -- "
+        "TRAINER_FLAGS",
         description=__doc__.split("\n")[0],
-        epilog="example: python -m launch.local --num_processes 2 --cpu_devices 8 -- "
-        "--config configs/transformer_1024.py:tiny --workdir /tmp/demo2",
+        # The example as one command, not wrapped mid-flag.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python -m launch.local --num_processes 2 --cpu_devices 8 -- \\\n"
+        "      --config configs/transformer_1024.py:tiny --workdir /tmp/demo2",
     )
     parser.add_argument(
-        "--num_processes", type=int, required=True, help="trainer processes to start (the job's)"
+        "--num_processes",
+        type=int,
+        required=True,
+        metavar="P",
+        help="trainer processes to start (the job's)",
     )
     parser.add_argument(
         "--cpu_devices",
         type=int,
         default=8,
+        metavar="N",
         help="CPU devices of the whole job, split evenly over the processes (default 8)",
     )
     parser.add_argument(
         "--grace",
         type=float,
         default=30.0,
+        metavar="S",
         help="seconds the processes get to save and stop after a SIGTERM or Ctrl-C, or "
         "after this launcher dies, before they are killed (default 30)",
     )

@@ -67,6 +67,7 @@ def _run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m launch.restart_bench",
         description=__doc__.split("\n")[0],
         epilog="example: python -m launch.restart_bench --steps 4 -- --config "
         "configs/transformer_1024.py:tiny --cpu_devices 8",

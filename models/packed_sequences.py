@@ -1,7 +1,7 @@
 """The parameter-free side of a Transformer's inputs, for rows that may pack several examples.
 
 A packed row holds examples one after another, told apart by segment ids (1, 2, ...; 0 =
-padding), with positions restarting at 0 in each (`trainer/data/packing.py` plans the rows).
+padding), with positions restarting at 0 in each (`trainer/input/packing.py` plans the rows).
 So position embeddings come from those positions, decoder inputs are shifted within each
 segment, and attention never crosses segments. Unpacked rows are the case without segment
 ids.

@@ -6,7 +6,7 @@ First one uninterrupted run of the tiny Transformer (the reference). Then, in
 one work directory, runs that are each stopped at random: an external SIGKILL,
 SIGTERM, Ctrl-C or Ctrl-C twice after a random delay, or an injected fault at a
 random pass through a random point (``WUS_FAULT``: compile, loop, mid-save,
-eval; kill, term, int, int2 or a full disk; see trainer/runtime/faults.py). Every run
+eval; kill, term, int, int2 or a full disk; see trainer/command/faults.py). Every run
 resumes what the previous left. After each run the script checks: no traceback,
 at most one ``error:`` line per process, the exit code the stop implies, only
 complete checkpoints listed, and the newest one the run names is the newest
@@ -39,7 +39,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
-TIMING = {"steps_per_sec", "examples_per_sec", "mfu", "tokens_per_sec"}
+TIMING = {"steps_per_sec", "examples_per_sec", "mfu", "tokens_per_sec", "step_time_s", "time"}
 # Injection points and how many times a run from step 0 passes each (compile once,
 # a loop and a save every 2 steps, one eval batch every 8 steps).
 PASSES = {"compile": 1, "loop": STEPS // 2, "save": STEPS // 2, "eval": STEPS // 8}

@@ -19,6 +19,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile for TPU topologies in this process and in the commands they start
+# (trainer.command.process.setup sets the same for trainer.aot).
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 # Read by JAX at import, here and in every command a test starts (they inherit it).
 COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache", "jax")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
@@ -29,7 +32,7 @@ import ml_collections  # noqa: E402  (the flags above must be set before anythin
 import pytest  # noqa: E402
 
 from configs import transformer_1024  # noqa: E402
-from trainer.data.options import DataOptions  # noqa: E402
+from trainer.input.options import DataOptions  # noqa: E402
 
 # The checkout under test: commands run from it and import it.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +82,7 @@ def command_env(**variables: str) -> dict[str, str]:
     """The environment of a ``python -m ...`` command: this one's with :data:`REPO`
     importable and ``variables`` set, but neither this process's device count
     (XLA_FLAGS; a command sets its own with ``--cpu_devices``) nor an injected fault
-    (WUS_FAULT, trainer/runtime/faults.py)."""
+    (WUS_FAULT, trainer/command/faults.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WUS_FAULT")}
     return {**env, "PYTHONPATH": REPO, **variables}
 
@@ -177,7 +180,7 @@ def data_section(name: str, data_dir, /, **keys) -> ml_collections.ConfigDict:
 
 def open_pipeline(make, config, global_batch_size, seed=0, process_index=0, process_count=1):
     """``make(config, opts)`` for process ``process_index`` of ``process_count``, the way
-    ``trainer.data.pipelines.build`` opens a run's data."""
+    ``trainer.input.pipelines.build`` opens a run's data."""
     opts = DataOptions.from_config(
         config,
         global_batch_size=global_batch_size,
@@ -186,3 +189,24 @@ def open_pipeline(make, config, global_batch_size, seed=0, process_index=0, proc
         process_count=process_count,
     )
     return make(config, opts)
+
+
+def set_compilation_cache(enabled: bool) -> bool:
+    """Turns JAX's persistent compilation cache on or off in this test process; returns
+    what it was. A cache hit dumps no HLO, and compiles for a TPU topology (no client)
+    cannot read an entry: tests of either compile without it."""
+    import jax  # noqa: PLC0415
+    from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()  # JAX decides once whether it uses the cache: ask again
+    return was
+
+
+@pytest.fixture
+def without_compilation_cache():
+    """The test compiles without the suite's persistent cache."""
+    was = set_compilation_cache(False)
+    yield
+    set_compilation_cache(was)

@@ -2,8 +2,9 @@
 
 Trains the config's model in DIR: metrics.jsonl, TensorBoard events, checkpoints
 and, at the end, summary.json. Run it again with the same DIR to resume from the
-newest checkpoint. ``--config.a.b=value`` overrides one key of the config, and
-``python -m trainer --list-configs`` lists the configs and their variants.
+newest checkpoint. ``--config.a.b=value`` overrides one key of the config,
+``python -m trainer --list-configs`` lists the configs and their variants, and
+``--print_config`` prints every key of a config with what it does.
 
 SIGTERM and Ctrl-C save and stop the run (exit 0 after SIGTERM, 130 after
 Ctrl-C); Ctrl-C twice stops at once. Mistakes in the input end in one line on
@@ -22,7 +23,7 @@ _STARTED = time.time()  # the summary's start-up time counts from here
 
 if __name__ == "__main__":
     try:  # a Ctrl-C in the instant before the handling is in place
-        from trainer.runtime import signals
+        from trainer.command import signals
 
         signals.install()  # before the slow imports below: no stop request is lost
     except KeyboardInterrupt:
@@ -31,10 +32,13 @@ if __name__ == "__main__":
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from trainer.runtime import cli, console, process, signals, storage  # noqa: E402
+from trainer.command import cli, console, process, signals  # noqa: E402
+from trainer.workdir import storage  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for metrics and checkpoints (required, but with --print_config)."
+)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "Expose this many CPU devices (CPU-only hosts; for trying sharding)."
 )
@@ -47,14 +51,28 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.DEFINE_bool("list_configs", False, "List the configs, their variants and exit.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config",
+    False,
+    "Print every key of --config with its value, the file's default and what it does, and exit.",
+)
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout", 100, "Seconds after which a silent process is taken for dead."
 )
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config"])
 
 
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
+    if _PRINT_CONFIG.value:
+        from trainer.command import config_docs  # noqa: PLC0415
+
+        (source,) = cli.config_files(sys.argv)[-1:]
+        defaults = cli.flat_config(cli.load_config(source.partition(":")[0]))
+        sys.stdout.write(config_docs.render(_CONFIG.value, defaults, source))
+        return
+    if _WORKDIR.value is None:
+        cli.fail("flag --workdir must have a value: the run's directory")
     process.setup(
         cpu_devices=_CPU_DEVICES.value,
         coordinator_address=_COORDINATOR.value,

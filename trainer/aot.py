@@ -36,8 +36,9 @@ import math
 from absl import flags
 from ml_collections import config_flags
 
+from trainer.command import cli, console, process
 from trainer.parallel.plan import MODES
-from trainer.runtime import cli, console, process, storage
+from trainer.workdir import storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _TOPOLOGY = flags.DEFINE_string(
@@ -153,6 +154,12 @@ def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
     # The host only compiles: keep JAX's default backend on CPU.
     process.setup(cpu_devices=1, compiles_for_tpu=True)
+    import jax  # noqa: PLC0415  (after setup)
+
+    # No persistent compilation cache (one set in the environment included): JAX
+    # writes what it compiles for a topology but cannot read it back without a
+    # client of that topology, and warns on every hit.
+    jax.config.update("jax_enable_compilation_cache", False)
     from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
 
     config = _CONFIG.value

@@ -25,9 +25,10 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
+from trainer.command import cli, console, process
 from trainer.parallel.hardware import measure_matmul_peak
 from trainer.parallel.plan import MODES
-from trainer.runtime import cli, console, process, storage
+from trainer.workdir import storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _MODES = flags.DEFINE_list("modes", ["none", "fsdp", "wus"], "Update-sharding modes to time.")
@@ -153,6 +154,10 @@ def main(argv: list[str]) -> None:
         if _PLOT.value:
             storage.output_file(_PLOT.value, "--plot")
     import jax  # noqa: PLC0415  (after setup)
+
+    # Every mode's program is compiled with a dump of its HLO (the collectives it
+    # counts): a persistent-cache hit would dump nothing (hlo.compile_with_dump).
+    jax.config.update("jax_enable_compilation_cache", False)
 
     from trainer.analysis import benchmark  # noqa: PLC0415  (imports JAX, Flax, Orbax)
     from trainer.parallel import hardware  # noqa: PLC0415  (after setup)

@@ -19,7 +19,9 @@ import sys
 
 from absl import flags
 
-from trainer.runtime import cli, errors, process, run_config, storage
+from trainer import errors
+from trainer.command import cli, process, run_flags
+from trainer.workdir import storage
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (python -m trainer's --workdir).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
@@ -34,14 +36,14 @@ def main(argv: list[str]) -> None:
 
     from trainer.training import evaluation  # noqa: PLC0415  (imports JAX, Flax, Orbax)
 
-    config = run_config.config_value()
+    config = run_flags.config_value()
     with cli.clear_errors():
         step, metrics = evaluation.evaluate_checkpoint(config, _WORKDIR.value, step=_STEP.value)
     if jax.process_index() == 0:
         # The result first: recording it may fail (a read-only run directory).
         print(" | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]))
         sys.stdout.flush()
-        overrides = run_config.overrides(_WORKDIR.value, config)
+        overrides = run_flags.overrides(_WORKDIR.value, config)
         directory = storage.path(_WORKDIR.value)
         try:
             evaluation.record_result(_WORKDIR.value, step, metrics, overrides)
@@ -61,4 +63,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    process.run(main, flags_parser=run_config.parse_flags)
+    process.run(main, flags_parser=run_flags.parse_flags)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from trainer.runtime import cli, process
+from trainer.command import cli, process
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

@@ -15,7 +15,8 @@ import sys
 from absl import flags
 
 from trainer.analysis import figures
-from trainer.runtime import cli, process, storage
+from trainer.command import cli, process
+from trainer.workdir import storage
 
 _OUT = flags.DEFINE_string("out", None, "PNG file to write.")
 _NAMES = flags.DEFINE_list("names", [], "Run names for the legend (default: directory names).")

@@ -26,7 +26,8 @@ import sys
 
 from absl import flags
 
-from trainer.runtime import cli, errors, process, run_config
+from trainer import errors
+from trainer.command import cli, process, run_flags
 
 _MAX_LINE_WARNINGS = 10  # then a count
 
@@ -50,22 +51,19 @@ def main(argv: list[str]) -> None:
     process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
     from trainer.training import decoding  # noqa: PLC0415  (imports JAX, Flax, Orbax)
 
-    config = run_config.config_value()
+    config = run_flags.config_value()
     if sys.stdin is None:
         cli.fail("stdin is closed: give the sentences on it, one a line (... < sentences.txt)")
     with cli.clear_errors():
         decoding.require_translation_run(config)
     beam = config.eval_beam_size if _BEAM_SIZE.value is None else _BEAM_SIZE.value
-    max_length = config.max_decode_length if _MAX_LENGTH.value is None else _MAX_LENGTH.value
     lines, unreadable = decoding.read_lines(sys.stdin.buffer.read())
     with cli.clear_errors():
-        out, report = decoding.translate(
-            config,
-            _WORKDIR.value,
+        model = decoding.Translator.load(_WORKDIR.value, step=_STEP.value, config=config)
+        out, report = model.translate_with_report(
             [line or "" for line in lines],
-            step=_STEP.value,
             beam_size=beam,
-            max_length=max_length,
+            max_length=_MAX_LENGTH.value,
             batch_size=_BATCH_SIZE.value,
         )
     sys.stdout.write("".join(line + "\n" for line in out))
@@ -90,4 +88,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    process.run(main, flags_parser=run_config.parse_flags)
+    process.run(main, flags_parser=run_flags.parse_flags)

@@ -14,15 +14,24 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, set_compilation_cache
 
 from configs import transformer_1024
 from trainer.analysis import compiled as compiled_lib
 from trainer.analysis import costmodel, hlo
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.training import experiment
 
 TOPOLOGY = "v3:2x2"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _without_compilation_cache():
+    """Compiles for a topology have no client to read the suite's persistent cache with
+    (before the module's compiling fixtures, which share this scope)."""
+    was = set_compilation_cache(False)
+    yield
+    set_compilation_cache(was)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +75,14 @@ def report(devices, tmp_path_factory):
         str(out.parent / "hlo"),
         "--config.steps_per_loop=2",
     ]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # A persistent cache configured in the environment: the command must leave it alone
+    # (JAX cannot read back what it compiled for a topology, and says so on every hit).
+    cache = out.parent / "cache"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not cache.exists() or not any(cache.iterdir())
+    assert "compilation cache" not in run.stderr
     with open(out) as f:
         return json.load(f), run.stdout, str(out.parent / "hlo")
 

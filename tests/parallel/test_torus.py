@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
+from trainer.errors import ConfigError
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import torus
-from trainer.runtime.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,16 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import COMPILATION_CACHE as _SUITE_CACHE
+from conftest import set_compilation_cache
 from conftest import tiny_wus as tiny
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer.analysis import hlo
+from trainer.errors import ConfigError
 from trainer.parallel import layout as layout_lib
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as us
 from trainer.parallel import transform as ut
-from trainer.runtime.errors import ConfigError
 from trainer.training import experiment
 
 DATA8 = {"data": 8, "model": 1}
@@ -216,10 +218,9 @@ def test_composes_as_optax_users_expect(name):
 )
 def test_shape_dependent_optimizers_are_refused(inner):
     plan = _plan()
-    tx = ut.weight_update_sharding(inner, plan)  # building computes nothing
-    stored = jax.eval_shape(plan.to_stored, _params())
+    ut.weight_update_sharding(inner, plan)  # building computes nothing: the check is
     with pytest.raises(ConfigError, match="update of parameter (conv|odd) depends on its shape"):
-        jax.eval_shape(tx.init, stored)  # the first init checks
+        ut.check_layout_agnostic(inner, plan)  # experiment.build's, once per run
 
 
 def test_state_dtype_and_bf16_params():
@@ -253,6 +254,27 @@ def test_unknown_mode_is_rejected():
 
 
 # ------------------------------------------------- collectives of the real step
+
+
+@pytest.fixture(autouse=True)
+def _without_compilation_cache(without_compilation_cache):
+    """The suite compiles through a persistent cache (conftest.py); a hit dumps no HLO."""
+
+
+def test_a_cache_hit_is_named_not_parsed(tmp_path):
+    """With the cache on, the second compile of a program dumps nothing: said, not empty."""
+    set_compilation_cache(True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        mesh = mesh_lib.make_mesh({"data": -1})
+        x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("data")))
+        lowered = jax.jit(lambda x: x * 2 + jnp.sum(x)).lower(x)
+        hlo.compile_with_dump(lowered)
+        with pytest.raises(RuntimeError, match="persistent compilation cache"):
+            hlo.compile_with_dump(lowered)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", _SUITE_CACHE)
+        set_compilation_cache(False)
 
 
 def _step_collectives(mode, mesh="data8", accumulate=1):

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from configs import transformer_1024
 from models import transformer
 from trainer import tasks
-from trainer.data import feed as feed_lib
+from trainer.input import feed as feed_lib
 from trainer.parallel import batches as batches_lib
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as us

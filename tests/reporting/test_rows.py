@@ -6,8 +6,8 @@ import json
 import pytest
 
 from trainer.analysis import figures
+from trainer.errors import UserError
 from trainer.reporting import metrics, rows, summary
-from trainer.runtime.errors import UserError
 
 GOOD = [{"step": 2, "loss": 5.0}, {"step": 4, "loss": 4.0, "eval/bleu": 1.5}]
 DAMAGED = [

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.training import optimizers
 
 PEAK, WARMUP, STEPS = 0.5, 10, 110

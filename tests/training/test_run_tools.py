@@ -2,9 +2,11 @@
 resumed once): evaluate and translate its checkpoints from the command line, start
 new runs from its export (any mesh and mode), profile, plot."""
 
+import ast
 import glob
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -24,12 +26,12 @@ from trainer import checkpoint as checkpoint_lib
 from trainer import tasks
 from trainer.analysis import figures
 from trainer.checkpoint import export as export_lib
-from trainer.data import translation as data_lib
+from trainer.errors import ConfigError
+from trainer.input import translation as data_lib
 from trainer.reporting import metrics
-from trainer.runtime import run_config
-from trainer.runtime.errors import ConfigError
 from trainer.training import experiment
 from trainer.training import train as train_lib
+from trainer.workdir import run_config
 
 
 def tiny(data_dir, **overrides):
@@ -427,7 +429,10 @@ def test_summary_of_the_resumed_run(run):
     rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
     evals = [r for r in rows if "eval/loss" in r]
     assert (summary["first_step"], summary["last_step"], summary["steps_trained"]) == (20, 40, 20)
-    assert summary["final_eval"] == evals[-1] and summary["final_eval"]["step"] == 40
+    # The last evaluation's metrics, not its row's training loss.
+    want = {k: v for k, v in evals[-1].items() if k == "step" or k.startswith("eval/")}
+    assert summary["final_eval"] == want and summary["final_eval"]["step"] == 40
+    assert "loss" not in summary["final_eval"] and "eval/bleu" in summary["final_eval"]
     best_loss = min(evals, key=lambda r: r["eval/loss"])
     best_bleu = max(evals, key=lambda r: r["eval/bleu"])
     assert summary["best_eval"]["eval/loss"] == {
@@ -439,6 +444,8 @@ def test_summary_of_the_resumed_run(run):
     wall = summary["wall_time_s"]
     assert wall["total"] >= wall["compile"] + wall["train"] + wall["eval"] > 0
     assert {"metrics.jsonl", "config.json", "checkpoints", "summary.json"} <= set(summary["files"])
+    assert not {"run.lock", "run.lock.peers"} & set(os.listdir(run))  # gone at a clean exit
+    assert not any(name.startswith("run.lock") for name in summary["files"])
     assert summary["status"] == "finished"
     assert f"python -m trainer.evaluate --workdir {run} --cpu_devices 8" in summary["commands"]
     assert summary["steps_per_sec"] == pytest.approx(20 / wall["train"])
@@ -511,3 +518,78 @@ def test_export_and_init_from_convert_between_layer_stacks_and_layers(run, data_
             "shared_embedding/embedding",
         ):
             np.testing.assert_array_equal(_get(got, name), _get(want, name), err_msg=name)
+
+
+def _log_probs_reference(model, params, vocab, source, target) -> float:
+    """log p(target | source), one unpadded pair, summed in numpy."""
+    inputs = np.asarray([vocab.encode(source)], np.int32)
+    targets = np.asarray([vocab.encode(target)], np.int32)
+    logits = np.asarray(model.apply({"params": params}, inputs, targets, train=False), np.float64)[
+        0
+    ]
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return float(sum(log_p[i, t] for i, t in enumerate(targets[0])))
+
+
+def test_the_python_api_translates_and_scores_from_a_run_and_an_export(run, data_dir, tmp_path):
+    from trainer import Translator
+
+    f32 = {"model.dtype": "float32"}
+    config = tiny(data_dir, **f32)
+    vocab = data_lib.load_vocab(config.data)
+    sources, references = tasks.open_data(config).eval_references()
+    model, params = _restored_params(run, config)
+
+    translator = Translator.load(run, config=config)
+    assert translator.step == 40
+    got = translator.translate([*sources[:6], ""], beam_size=1, batch_size=4)
+    tokens = [vocab.encode(s) for s in sources[:6]]
+    batch = np.zeros((6, max(map(len, tokens))), np.int32)
+    for i, t in enumerate(tokens):
+        batch[i, : len(t)] = t
+    best = decode_lib.decode(
+        model, params, jnp.asarray(batch), beam_size=1, max_decode_len=16, alpha=0.6
+    )
+    assert got == [*(vocab.decode(row) for row in np.asarray(best)), ""]
+
+    pairs = list(zip(sources[:5], references[:5], strict=True)) + [(sources[0], "a b c")]
+    scores = translator.score([s for s, _ in pairs], [t for _, t in pairs], batch_size=4)
+    want = [_log_probs_reference(model, params, vocab, s, t) for s, t in pairs]
+    np.testing.assert_allclose(scores, want, rtol=1e-4)
+    with pytest.raises(ConfigError, match="2 sources but 1 targets"):
+        translator.score(["a", "b"], ["c"])
+
+    # An export (its layers stacked) carries its config and vocabulary: it loads alone.
+    out = tmp_path / "export"
+    export_lib.export(run, str(out), scan_layers=True)
+    assert (out / "vocab.model").read_bytes() == vocab.serialized
+    exported = run_config.from_json((out / "config.json").read_text())
+    assert exported.model.scan_layers is True
+    exported.model.dtype = "float32"
+    again = Translator.load(str(out), config=exported)
+    assert again.step is None
+    assert again.translate(sources[:6], beam_size=1) == got[:6]
+    np.testing.assert_allclose(again.score(sources[:5], references[:5]), scores[:5], rtol=1e-5)
+    with pytest.raises(ConfigError, match="is an export, of one step"):
+        Translator.load(str(out), step=40)
+
+
+def test_the_readme_python_example_runs_as_written(run):
+    # The README's block under its "tested" marker, run as a user pastes it, on this run.
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        after = f.read().split("<!-- tested: tests/training/test_run_tools.py -->", 1)[1]
+    block = []
+    for line in after.lstrip("\n").splitlines():
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    code = "\n".join(block).replace('"/tmp/demo"', repr(run))
+    assert "Translator.load(" in code and repr(run) in code
+    result = run_command([sys.executable, "-c", code], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    translations_line, scores_line = result.stdout.strip().splitlines()[-2:]
+    translations = ast.literal_eval(translations_line)
+    assert len(translations) == 2 and all(isinstance(t, str) and t for t in translations)
+    (score,) = [float(x) for x in re.findall(r"-?\d+\.\d+(?:e[-+]\d+)?", scores_line)]
+    assert score < 0

@@ -2,15 +2,16 @@
 
 import json
 import os
+import time
 
 import jax
 import numpy as np
 import pytest
 from conftest import run_command, tiny_command, tiny_translation
 
+from trainer.errors import ConfigError
 from trainer.parallel import hardware
 from trainer.reporting import metrics as metrics_lib
-from trainer.runtime.errors import ConfigError
 from trainer.training import experiment
 from trainer.training import train as train_lib
 
@@ -126,3 +127,24 @@ def test_loss_growth_watch_window_and_padding():
     with pytest.raises(ConfigError, match="loss_growth_warning must be > 1"):
         metrics_lib.LossGrowthWatch(0.5)
     assert metrics_lib.LossGrowthWatch(0).observe(0, np.array([1.0, 1e9]), np.ones(2)) is None
+
+
+def test_rows_carry_time_and_window_and_a_resume_row_names_its_window(data_dir, tmp_path, capsys):
+    flags = dict(steps_per_loop=2, log_every_steps=4, checkpoint_every_steps=2, eval_every_steps=0)
+    train_lib.train(tiny(data_dir, num_train_steps=6, **flags), str(tmp_path))
+    capsys.readouterr()
+    train_lib.train(tiny(data_dir, num_train_steps=8, **flags), str(tmp_path))
+    out = capsys.readouterr().out
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["window_steps"]) for r in rows] == [(4, 4), (6, 2), (8, 2)]
+    assert not any(k.startswith("eval/") for r in rows for k in r)  # 0: no evaluation at all
+    assert "evaluating" not in out and "decoding for BLEU" not in out
+    times = [r["time"] for r in rows]
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 600
+    for r in rows:
+        assert r["step_time_s"] == pytest.approx(1 / r["steps_per_sec"])
+    # The resumed run's first row averages only the steps since its checkpoint: it says so.
+    (line,) = [line for line in out.splitlines() if line.startswith("step       8/8 |")]
+    assert line.endswith("(over the 2 steps since the resume)")
+    assert "; run the same command again to resume" not in out  # it finished
+    assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run.lock.peers").exists()

@@ -15,7 +15,7 @@ import numpy as np
 
 from trainer import checkpoint as checkpoint_lib
 from trainer.analysis import hlo
-from trainer.data import feed as feed_lib
+from trainer.input import feed as feed_lib
 from trainer.parallel import batches
 from trainer.parallel import mesh as mesh_lib
 from trainer.training import experiment

@@ -19,16 +19,15 @@ costed are those the TPU runs.
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import jax
 
 from trainer.analysis import costmodel, hlo, schedule
+from trainer.errors import ConfigError
 from trainer.parallel import hardware, torus
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
-from trainer.runtime.errors import ConfigError
 from trainer.training import experiment
 
 
@@ -64,13 +63,13 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
     ``num_slices`` > 1, of that many such slices joined by the data-center network
     (devices with a ``slice_index``).
 
+    Several processes of a host compile at once only with ALLOW_MULTIPLE_LIBTPU_LOAD=1
+    in the environment (:func:`trainer.command.process.setup` sets it for commands that
+    compile for topologies).
+
     Raises:
       ConfigError: libtpu is missing, or the name is not a topology it knows.
     """
-    # libtpu takes a machine-wide lock when it loads, meant for processes that drive
-    # the TPU chips; compiling drives none, so several compiling processes may share
-    # a host (and a test may compile in-process and in a subprocess).
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies  # noqa: PLC0415
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import os
 
+from trainer import errors
+from trainer.errors import UserError
 from trainer.reporting import rows as rows_lib
-from trainer.runtime import errors, storage
-from trainer.runtime.errors import UserError
+from trainer.workdir import storage
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by step
 

@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -159,20 +158,14 @@ class Collective:
 def compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
     """Compiles ``lowered`` and returns it with its post-SPMD-partitioning HLO text.
 
-    The persistent compilation cache is off for this one compile: JAX leaves the
-    dump options out of the cache key, so a hit would compile, and dump, nothing.
+    Needs the persistent compilation cache off (``jax_enable_compilation_cache``):
+    JAX leaves the dump options out of the cache key, so a hit would compile, and
+    dump, nothing. Turning it off is the caller's (a command's set-up, a test's
+    fixture): it is process-wide.
+
+    Raises:
+      RuntimeError: if XLA dumped nothing (a cache hit, most likely).
     """
-    cache_was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    jax_cache.reset_cache()  # JAX decides once whether it uses the cache: ask again
-    try:
-        return _compile_with_dump(lowered)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was_on)
-        jax_cache.reset_cache()
-
-
-def _compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
     with tempfile.TemporaryDirectory() as tmp:
         compiled = lowered.compile(
             compiler_options={
@@ -183,7 +176,16 @@ def _compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled
         )
         files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not files:
-            raise RuntimeError("XLA wrote no after_spmd-partitioning dump")
+            cache = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+            raise RuntimeError(
+                "XLA wrote no after_spmd-partitioning dump"
+                + (
+                    f": the program came from the persistent compilation cache ({cache}); "
+                    "set jax_enable_compilation_cache to False before compiling"
+                    if cache
+                    else ""
+                )
+            )
         with open(files[-1]) as f:
             return compiled, f.read()
 

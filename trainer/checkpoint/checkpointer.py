@@ -29,7 +29,7 @@ Faults, and what a run does about them:
   newer one is complete, so the newest complete checkpoint is never deleted.
 
 What Orbax prints itself about these faults is dropped
-(:mod:`trainer.runtime.orbax_output`, which the commands install).
+(:mod:`trainer.command.orbax_output`, which the commands install).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from trainer import errors
 from trainer.checkpoint import leftovers as leftovers_lib
 from trainer.checkpoint import position as position_lib
 from trainer.checkpoint import tree as tree_lib
@@ -56,8 +57,9 @@ from trainer.checkpoint.reader import (
     SaveFailedError,
     open_manager,
 )
+from trainer.command import orbax_output
 from trainer.parallel import rules
-from trainer.runtime import errors, orbax_output, storage
+from trainer.workdir import storage
 
 CORRUPT = "corrupt"  # unreadable checkpoints are moved into this subdirectory
 

@@ -5,6 +5,9 @@ of arrays that loads without this project's classes::
     params = ocp.StandardCheckpointer().restore("PATH")
 
 Only the ``params`` subtree is read (partial restore), not the optimizer state.
+Beside the parameters the export keeps the run's ``config.json`` (with the layer
+layout it was written in) and, for a translation run, its ``vocab.model``: what
+``trainer.Translator.load(PATH)`` needs to decode without the run's directory.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from flax import traverse_util
 from models import stacking
 from trainer import tasks
 from trainer.checkpoint.reader import CheckpointError, CheckpointReader
-from trainer.runtime import run_config, storage
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
+from trainer.input.translation import VOCAB_FILE
+from trainer.workdir import run_config, storage
 
 
 def export(
@@ -59,17 +63,23 @@ def export(
         others = [s for s in checkpoints.steps() if s != step]
         raise CheckpointError(f"{e}; export another with --step (there are {others})") from None
     params = restored["params"]
+    config = run_config.load(str(directory))
     if scan_layers is not None:
-        params = _relayout(params, run_config.load(str(directory)), scan_layers)
+        params = _relayout(params, config, scan_layers)  # and sets model.scan_layers
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
     saver = ocp.StandardCheckpointer()
     saver.save(destination, params)
     saver.wait_until_finished()
+    storage.write_atomically(destination / "config.json", config.to_json_best_effort(indent=2))
+    vocab = directory / VOCAB_FILE
+    if vocab.exists():
+        storage.write_atomically(destination / VOCAB_FILE, vocab.read_bytes())
     return step
 
 
 def _relayout(params: dict, config, scan_layers: bool) -> dict:
-    """``params`` in the layer layout of ``config``'s model with ``scan_layers``."""
+    """``params`` in the layer layout of ``config``'s model with ``scan_layers`` (which it
+    sets in ``config``)."""
     if "scan_layers" not in config.model:
         raise ConfigError(
             f"--scan_layers: model.name='{config.model.name}' has no layer stacks to convert"

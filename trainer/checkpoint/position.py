@@ -17,16 +17,16 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.runtime import faults
+from trainer.command import faults
 
 
 class DataStateHandler(ocp.AsyncCheckpointHandler):
     """Saves the input position, one JSON for the whole job.
 
     The position is global (the index of the next global batch, the same on every
-    process; see trainer.data.feed), so process 0 writes it and any number of
+    process; see trainer.input.feed), so process 0 writes it and any number of
     processes can resume from it. Written by the save's background commit, like
-    the arrays (and where :mod:`trainer.runtime.faults`' ``save`` point is).
+    the arrays (and where :mod:`trainer.command.faults`' ``save`` point is).
     """
 
     _FILE = "position.json"

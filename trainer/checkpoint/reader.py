@@ -15,9 +15,11 @@ from collections.abc import Iterator
 import orbax.checkpoint as ocp
 from etils import epath
 
+from trainer import errors
 from trainer.checkpoint import position as position_lib
 from trainer.checkpoint import tree as tree_lib
-from trainer.runtime import errors, orbax_output, run_config, storage
+from trainer.command import orbax_output
+from trainer.workdir import run_config, storage
 
 
 class CheckpointError(errors.UserError):

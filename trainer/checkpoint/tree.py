@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from trainer.parallel.rules import param_name
-from trainer.runtime import storage
+from trainer.workdir import storage
 
 
 def first_mismatch(abstract: Any, metadata: Any) -> tuple[str, str] | None:

@@ -1,1 +1,3 @@
-"""Input pipelines: TFDS datasets read through `tfds.data_source` + grain, without TensorFlow."""
+"""The data commands: ``python -m trainer.data.prepare`` (a run's input, ahead) and
+``python -m trainer.data.bench`` (the input pipeline alone, timed). The pipelines
+themselves are :mod:`trainer.input`."""

@@ -35,8 +35,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer import tasks
-from trainer.data import augment, feed, imagenet, options, source
-from trainer.runtime import cli, process
+from trainer.command import cli, process
+from trainer.input import augment, feed, imagenet, options, source
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _WORKERS = flags.DEFINE_list("workers", ["0", "1", "2"], "Worker counts to measure.")
@@ -192,10 +192,17 @@ def _bench(config: Any, worker_counts: list[int]) -> None:
         "reference_sort_20m": reference,
     }
     result: dict[str, Any] = {"startup": startup, "workers": {}}
-    print(f"start-up: {json.dumps(startup)}", flush=True)
+    print(
+        f"start-up: dataset ready in {startup['generate_s']:.2f}s, pipeline built in "
+        f"{startup['build_s']:.2f}s ({startup['build_cpu_s']:.2f} CPU s), peak RSS "
+        f"{startup['peak_rss_mib']:.0f} MiB; a reference sort of 20M keys took "
+        f"{reference['s']:.2f}s here (scales start-up figures from a busy machine)",
+        flush=True,
+    )
     if config.model.name == "resnet":
         result["stages_ms"] = image_stages(config, _STAGE_IMAGES.value)
-        print(f"stages (ms per image): {json.dumps(result['stages_ms'])}", flush=True)
+        stages = ", ".join(f"{k} {v:.3g}" for k, v in result["stages_ms"].items())
+        print(f"stages (ms per image): {stages}", flush=True)
     for workers in worker_counts:
         figures = measure(data.train, workers, _SECONDS.value)
         result["workers"][str(workers)] = figures

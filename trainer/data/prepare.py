@@ -3,7 +3,7 @@
 Generates an embedded dataset if missing and opens the run's pipeline once, which
 trains the SentencePiece vocabulary and caches the token lengths of a translation
 dataset (so that the processes of a pod run find them ready). The embedded
-datasets' builders are in trainer/data/builders/. For a translation config,
+datasets' builders are in trainer/input/builders/. For a translation config,
 ``--eval_text FILE`` also writes the eval split's source sentences to FILE, one
 a line, and their reference translations to FILE.ref: input for
 ``python -m trainer.translate`` and references to score its output against.
@@ -18,7 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainer import tasks
-from trainer.runtime import cli, console, process, storage
+from trainer.command import cli, console, process
+from trainer.workdir import storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _EVAL_TEXT = flags.DEFINE_string(

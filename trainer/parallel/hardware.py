@@ -58,8 +58,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from trainer import errors
 from trainer.parallel import torus
-from trainer.runtime import errors
 
 GIB = 2**30
 GB = 10**9

@@ -34,8 +34,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from trainer.errors import ConfigError
 from trainer.parallel import torus
-from trainer.runtime.errors import ConfigError
 
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"

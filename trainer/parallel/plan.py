@@ -44,10 +44,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer.errors import ConfigError
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel.layout import LeafLayout, choose_layout
-from trainer.runtime.errors import ConfigError
 
 MODES = ("none", "wus", "fsdp")
 

@@ -14,8 +14,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
+from trainer.errors import ConfigError
 from trainer.parallel import mesh as mesh_lib
-from trainer.runtime.errors import ConfigError
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 

@@ -23,14 +23,15 @@ tensors keep the logical rank, so these compose as usual::
     tx = optax.MultiSteps(tx, every_k_schedule=4)      # accumulators are sharded too
 
 A transform whose result depends on a dimension the layout changes (a mask on
-``p.shape``, Adafactor's factored moments on a merged or padded tensor) is
-refused at its first ``init``, with an error naming the parameter: building the
-transform computes nothing.
+``p.shape``, Adafactor's factored moments on a merged or padded tensor) computes
+something else on the stored layout: :func:`check_layout_agnostic` finds that,
+naming the parameter. It runs two optimizer steps, so it is the caller's to run,
+once, where the experiment is built (:func:`trainer.training.experiment.build`
+does); the transform itself computes nothing but its own ``init`` and ``update``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from typing import NamedTuple
 
@@ -39,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from trainer.errors import ConfigError
 from trainer.parallel.plan import UpdateShardingPlan, is_layout
 from trainer.parallel.rules import param_name
-from trainer.runtime.errors import ConfigError
 
 
 class WeightUpdateShardingState(NamedTuple):
@@ -70,12 +71,10 @@ def weight_update_sharding(
       plan: the update-sharding plan.
       state_dtype: dtype of the param-shaped state leaves (default: the params').
 
-    The first ``init`` with parameters (not optax's placeholders) checks that
-    ``inner`` gives the same updates on the stored layout as on the logical
-    tensors (:func:`check_layout_agnostic`), raising ConfigError naming the first
-    parameter where it does not.
+    Whether ``inner`` gives the same updates on the stored layout as on the
+    logical tensors is :func:`check_layout_agnostic`'s to say, called once by whoever
+    builds the experiment.
     """
-    checked = []  # once, at the first init that sees parameters
 
     def constrain(state):
         return jax.tree.map(
@@ -87,14 +86,6 @@ def weight_update_sharding(
             # optax's tree_map_params asks for the state's structure with a
             # placeholder for the params: there is nothing to cast or constrain.
             return WeightUpdateShardingState(inner.init(params))
-        if not checked:
-            # init is traced (jitted, or under eval_shape, perhaps with a TPU topology's
-            # mesh set): the check computes on this host's CPU in a thread of its own,
-            # where neither the trace nor the caller's mesh is.
-            dtypes = jax.tree.map(lambda p: p.dtype, params)
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pool.submit(check_layout_agnostic, inner, plan, dtypes).result()
-            checked.append(True)
         state = inner.init(params)
         if state_dtype is not None:
             state = plan.map_state(

@@ -19,9 +19,10 @@ from tensorboardX import SummaryWriter, record_writer
 from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2
 
+from trainer.command import cli, console
+from trainer.errors import ConfigError, UserError
 from trainer.reporting import rows as rows_lib
-from trainer.runtime import cli, console, storage
-from trainer.runtime.errors import ConfigError, UserError
+from trainer.workdir import storage
 
 # metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
 _REMOTE_FLUSH_SECS = 10.0
@@ -105,13 +106,20 @@ class MetricWriter:
         out.close()
         self._hparams = None
 
-    def write(self, step: int, scalars: dict[str, float]) -> None:
-        """Appends one JSON object ``{"step": step, **scalars}``, TB scalars, and
-        the attached tracker's."""
+    def write(
+        self, step: int, scalars: dict[str, float], *, window_steps: int | None = None
+    ) -> None:
+        """Appends one JSON object ``{"step", "time", "window_steps", **scalars}`` (the
+        wall-clock time of the row, the steps its training metrics average; only
+        ``step`` and scalars when ``window_steps`` is None), TB scalars, and the
+        attached tracker's."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in scalars.items()}
-        self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
+        row: dict = {"step": int(step)}
+        if window_steps is not None:
+            row |= {"time": round(time.time(), 3), "window_steps": int(window_steps)}
+        self._jsonl.write(json.dumps(row | clean) + "\n")
         self._jsonl.flush()
         tagged = {tensorboard_tag(k): v for k, v in clean.items()}
         for tag, value in tagged.items():
@@ -131,8 +139,11 @@ class MetricWriter:
             event_pb2.Event(step=int(step) + 1, wall_time=time.time(), session_log=start)
         )
 
-    def progress(self, step: int, total: int, scalars: dict[str, float], eta_s: float) -> None:
-        """One console line: step, loss, steps/s, ETA (and eval metrics if any)."""
+    def progress(
+        self, step: int, total: int, scalars: dict[str, float], eta_s: float, *, note: str = ""
+    ) -> None:
+        """One console line: step, loss, steps/s, ETA (and eval metrics if any), then
+        ``note``."""
         if not self.enabled:
             return
         parts = [f"step {step:>7d}/{total}"]
@@ -151,7 +162,7 @@ class MetricWriter:
             )
         parts += [f"{k} {v:.4g}" for k, v in scalars.items() if k.startswith("eval/")]
         parts.append(f"ETA {console.duration(eta_s) if math.isfinite(eta_s) else '?'}")
-        print(" | ".join(parts), flush=True)
+        console.say(" | ".join(parts) + (f" ({note})" if note else ""))
 
     def info(self, message: str) -> None:
         """A plain console message from process 0."""

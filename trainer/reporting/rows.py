@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from trainer.runtime import storage
+from trainer.workdir import storage
 
 
 def usable(row: object) -> bool:

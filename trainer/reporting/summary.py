@@ -4,6 +4,7 @@ got, and what it wrote; printed, and kept as ``DIR/summary.json``."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -12,12 +13,16 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from trainer.command import console
 from trainer.reporting import rows as rows_lib
-from trainer.runtime import console, storage
+from trainer.workdir import lock, storage
 
 # The phases of a run's wall time; "start-up" is what the others leave (imports,
 # the devices, data and model set-up, the checkpoint read).
 PHASES = ("compile", "train", "eval", "save")
+# What the summary's hint installs; the version the project tests its events with
+# (pyproject.toml's test extra).
+TENSORBOARD = "tensorboard==2.21.0"
 # Eval metrics where lower is better; every other eval metric (BLEU, accuracy,
 # HR@10, NDCG@10) is better higher.
 _LOWER_IS_BETTER = ("loss", "nll", "perplexity", "error")
@@ -100,7 +105,12 @@ class RunReport:
         train_s = self.seconds["train"]
         rows = _metric_rows(self.directory)
         evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-        final = evals[-1] if evals else None
+        # The last evaluation's metrics only: its row also holds that loop's training
+        # loss, which is not an eval metric.
+        final = None
+        if evals:
+            final = {"step": evals[-1]["step"]}
+            final |= {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
         best = {}
         for key in sorted({k for r in evals for k in r if k.startswith("eval/")}):
             pick = min if _lower_is_better(key) else max
@@ -121,7 +131,7 @@ class RunReport:
             "final_eval": final,
             "best_eval": best,
             "newest_checkpoint": newest_checkpoint,
-            "files": sorted({p.name for p in self.directory.iterdir()} | {"summary.json"}),
+            "files": user_files(self.directory),
             "commands": commands,
         }
 
@@ -132,6 +142,14 @@ class RunReport:
         self._write(out)
         console.say(render(out, self.directory))
         return out
+
+
+def user_files(directory: epath.Path) -> list[str]:
+    """What a user will open in ``directory``: its files but the run's locks (removed at
+    a clean exit, :mod:`trainer.workdir.lock`) and hidden ones."""
+    internal = {lock.FILE, lock.PEERS_FILE}
+    names = {p.name for p in directory.iterdir()} | {"summary.json"}
+    return sorted(n for n in names if n not in internal and not n.startswith("."))
 
 
 def render(summary: dict, directory: epath.Path) -> str:
@@ -172,6 +190,10 @@ def commands(directory: epath.Path, *, evaluate_flags: str = "") -> list[str]:
     what ``trainer.evaluate`` needs to see the run's devices (``--cpu_devices 8``)."""
     where = str(directory)
     out = [f"tensorboard --logdir {where}"]
+    if importlib.util.find_spec("tensorboard") is None:
+        # Not a dependency: 54 MB in five packages, a binary data server among them, for
+        # a viewer; the trainer writes its event files without it (tensorboardX).
+        out[0] += f"   (not installed: pip install {TENSORBOARD})"
     if _metric_rows(directory):  # a run stopped before its first log step has none
         out.append(f"python -m trainer.plot {where} --out {where}/metrics.png")
     out.append(f"python -m trainer.evaluate --workdir {where}{evaluate_flags}")

@@ -18,8 +18,9 @@ import string
 import ml_collections
 from etils import epath
 
-from trainer.runtime import console, storage
-from trainer.runtime.errors import ConfigError
+from trainer.command import console
+from trainer.errors import ConfigError
+from trainer.workdir import storage
 
 RUN_ID_FILE = "wandb_run_id"
 

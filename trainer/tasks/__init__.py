@@ -16,9 +16,9 @@ from typing import Any
 
 import ml_collections
 
-from trainer.data import imagenet, movielens, pipelines
-from trainer.data import translation as translation_data
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
+from trainer.input import imagenet, movielens, pipelines
+from trainer.input import translation as translation_data
 from trainer.tasks import classification, recommendation, translation
 from trainer.tasks.base import REPLICAS, Task
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -24,7 +24,7 @@ class Task:
       train_data: iterator of this process's training batches (numpy dicts of
         ``global_batch_size // process_count`` rows) with ``get_state()`` /
         ``set_state()``: the input position, one global number valid for any
-        process count (see ``trainer.data.feed.TrainBatches``). None for a task
+        process count (see ``trainer.input.feed.TrainBatches``). None for a task
         built without data.
       eval_batches: returns a fresh iterable of this process's eval batches
         (padding rows all zero, so they carry no weight).
@@ -39,6 +39,8 @@ class Task:
       flops_per_example: model FLOPs of one training example (for MFU).
       counts_tokens: whether ``"weight"`` counts tokens (then tokens/s is
         reported).
+      run_files: files a run keeps in its work directory, name -> bytes, for
+        what later works on the run alone (the tokenizer, for decoding).
     """
 
     model: nn.Module
@@ -52,3 +54,4 @@ class Task:
     evaluate_extra: Callable[..., dict] | None = None
     flops_per_example: float = 0.0
     counts_tokens: bool = False
+    run_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)

@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 
 from models import losses, resnet
-from trainer.data import imagenet
-from trainer.runtime.errors import ConfigError, floating_dtype
+from trainer.errors import ConfigError, floating_dtype
+from trainer.input import imagenet
 from trainer.tasks.base import REPLICAS, Task
 
 # ImageNet channel statistics, on the 0..255 scale: the host ships uint8 crops

@@ -12,8 +12,8 @@ import ml_collections
 import numpy as np
 
 from models import ncf
-from trainer.data import movielens
-from trainer.runtime.errors import ConfigError, floating_dtype
+from trainer.errors import ConfigError, floating_dtype
+from trainer.input import movielens
 from trainer.tasks.base import Task
 
 

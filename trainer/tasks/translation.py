@@ -18,10 +18,10 @@ from jax.experimental import multihost_utils
 
 from models import decode as decode_lib
 from models import losses, stacking, transformer
-from trainer.data import translation as data_lib
-from trainer.data.tokenizer import EOS_ID
-from trainer.runtime import console
-from trainer.runtime.errors import ConfigError, floating_dtype
+from trainer.command import console
+from trainer.errors import ConfigError, floating_dtype
+from trainer.input import translation as data_lib
+from trainer.input.tokenizer import EOS_ID
 from trainer.tasks.base import Task
 
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig))
@@ -185,4 +185,7 @@ def make_task(
         evaluate_extra=bleu if data else None,
         flops_per_example=transformer.train_flops_per_example(cfg, length, length),
         counts_tokens=True,
+        run_files={data_lib.VOCAB_FILE: data.vocab.serialized}
+        if data is not None and hasattr(data.vocab, "serialized")
+        else {},
     )

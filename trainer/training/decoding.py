@@ -1,32 +1,51 @@
-"""Translating sentences with a run's checkpoint (``python -m trainer.translate``).
+"""A trained translation model as a Python object: :class:`Translator`.
 
-One source sentence a line in, its translation a line out (empty lines stay
-empty), with the run's own tokenizer and the parameters of one checkpoint; no
-optimizer is built. Bad input costs its own line only (:func:`read_lines`).
-Sentences are sorted by length and decoded ``batch_size`` at a time, split over
-the data-parallel devices, their length padded to a power of two (one compiled
-program per length).
+Load one from a run's work directory (a checkpoint's parameters; the optimizer
+state is not read) or from an export (``python -m trainer.export``), then translate
+a list of sentences or score pairs::
+
+    from trainer import Translator
+
+    model = Translator.load("/tmp/demo")           # or an export's directory
+    model.translate(["the big dog sees a cat"])    # -> ["DET Dog big DET Cat sees"]
+    model.score(["the dog"], ["DET Dog"])          # -> log-probabilities, one a pair
+
+``python -m trainer.translate`` is this class over stdin and stdout. Sentences are
+sorted by length and decoded ``batch_size`` at a time, split over the data-parallel
+devices, their length padded to a power of two (one compiled program per length,
+kept for the next call). Bad input costs its own line only (:func:`read_lines`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
+from collections.abc import Iterator, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 
-from trainer.data import translation as data_lib
-from trainer.data.tokenizer import EOS_ID
+from trainer.command import console
+from trainer.errors import ConfigError, UserError
+from trainer.input import translation as data_lib
+from trainer.input.tokenizer import EOS_ID
 from trainer.parallel import batches
 from trainer.parallel import mesh as mesh_lib
-from trainer.runtime import console
-from trainer.runtime.errors import ConfigError
 from trainer.tasks import translation as task_lib
 from trainer.training import evaluation
 from trainer.training import experiment as experiment_lib
+from trainer.workdir import run_config, storage
+
+# An export (trainer/checkpoint/export.py) keeps the run's config and vocabulary
+# beside the parameters, under these names.
+EXPORT_CONFIG_FILE = "config.json"
+_ORBAX_MARKER = "_CHECKPOINT_METADATA"  # in every checkpoint Orbax wrote whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +98,241 @@ def require_translation_run(config) -> None:
         )
 
 
+def is_export(path: str) -> bool:
+    """Whether ``path`` is an export (parameters and config), not a work directory."""
+    directory = storage.path(path)
+    return (directory / _ORBAX_MARKER).exists() and (directory / EXPORT_CONFIG_FILE).exists()
+
+
+class Translator:
+    """A trained Transformer with its tokenizer, on this process's devices.
+
+    Attributes:
+      config: the run's config (with any overrides the loader was given).
+      step: the training step of the parameters (None for an export).
+      source: where the parameters came from.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, model, params, vocab, step, source):
+        self.config, self.step, self.source = config, step, source
+        self._model, self._params, self._vocab = model, params, vocab
+        self._decoders: dict = {}  # (beam, max_length) -> jitted decoder
+        self._compiled: dict = {}  # ((beam, max_length), batch shape) -> its executable
+        self._log_probs = jax.jit(functools.partial(_log_probs, model.task.eval_model))
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        step: int | None = None,
+        config: ml_collections.ConfigDict | None = None,
+    ) -> Translator:
+        """The model of a run's work directory (checkpoint ``step``, default the newest)
+        or of an export (``python -m trainer.export --out PATH``).
+
+        Args:
+          config: the config to build the model with (default: the run's, or the
+            export's); e.g. the run's with ``length_penalty`` changed.
+
+        Raises:
+          ConfigError: not a translation run, or a run of more than one process.
+          CheckpointError: no such checkpoint, or it cannot be read.
+          UserError: ``path`` is neither a work directory nor an export.
+        """
+        if jax.process_count() > 1:
+            raise ConfigError("a Translator runs in one process (of any number of devices)")
+        export = is_export(path)
+        if export and step is not None:
+            raise ConfigError(f"{path} is an export, of one step: it takes no step")
+        if config is None:
+            config = _export_config(path) if export else run_config.load(path)
+        require_translation_run(config)
+        model = experiment_lib.build_model(config, with_data=False)
+        vocab = data_lib.load_vocab(config.data, path)
+        with console.phase(f"reading the parameters of {path}"):
+            if export:
+                params = ocp.StandardCheckpointer().restore(
+                    storage.path(path), model.abstract_params
+                )
+            else:
+                step, variables = evaluation.restore_variables(model, path, step)
+                params = variables["params"]
+        return cls(config, model, params, vocab, step, str(path))
+
+    # ------------------------------------------------------------ translate
+    def translate(
+        self,
+        sentences: Sequence[str],
+        *,
+        beam_size: int | None = None,
+        max_length: int | None = None,
+        batch_size: int = 64,
+    ) -> list[str]:
+        """The translation of each sentence, in order ("" for an empty one).
+
+        Args:
+          beam_size: 1 decodes greedily (default: the run's ``eval_beam_size``).
+          max_length: tokens per translation at most (default: ``max_decode_length``).
+          batch_size: sentences decoded together (rounded up to the devices).
+        """
+        return self.translate_with_report(
+            sentences, beam_size=beam_size, max_length=max_length, batch_size=batch_size
+        )[0]
+
+    def translate_with_report(
+        self,
+        sentences: Sequence[str],
+        *,
+        beam_size: int | None = None,
+        max_length: int | None = None,
+        batch_size: int = 64,
+    ) -> tuple[list[str], Report]:
+        """:meth:`translate`, and a :class:`Report` of what it did."""
+        config = self.config
+        beam = config.eval_beam_size if beam_size is None else beam_size
+        max_length = config.max_decode_length if max_length is None else max_length
+        if batch_size < 1 or max_length < 1:
+            raise ConfigError(f"batch_size={batch_size} and max_length={max_length} must be >= 1")
+        encoded, skipped, truncated = self._encode_all(sentences)
+        todo = sorted(
+            (i for i, t in enumerate(encoded) if t is not None), key=lambda i: -encoded[i].size
+        )
+        key = (beam, max_length)
+        if key not in self._decoders:
+            self._decoders[key] = task_lib.make_decoder(
+                self._model.task.eval_model,
+                beam_size=beam,
+                max_decode_len=max_length,
+                alpha=config.length_penalty,
+            )
+        decoder = self._decoders[key]
+        padded = self._batches(todo, encoded, batch_size)
+        out = [""] * len(sentences)
+        with self._context():
+            lengths = sorted({batch.shape for _, batch in padded})
+            with console.phase(f"compiling the decoder for {len(lengths)} lengths") as compiling:
+                compiled = {shape: self._executable(decoder, key, shape) for shape in lengths}
+            start = time.perf_counter()
+            with console.progress(
+                total=len(todo), desc="translating", unit="sentences"
+            ) as progress:
+                for chunk, batch in padded:
+                    tokens = compiled[batch.shape](self._params, self._put(batch))
+                    for i, row in zip(chunk, np.asarray(tokens), strict=False):
+                        out[i] = self._vocab.decode(row)
+                    progress.update(len(chunk))
+            decode_s = time.perf_counter() - start
+        report = Report(
+            self.step, len(todo), truncated, compiling.seconds, decode_s, tuple(skipped)
+        )
+        return out, report
+
+    # ---------------------------------------------------------------- score
+    def score(
+        self, sources: Sequence[str], targets: Sequence[str], *, batch_size: int = 64
+    ) -> np.ndarray:
+        """float64 [n]: the natural-log probability of each target given its source
+        (its tokens and EOS, teacher-forced, in ``eval_dtype``), both cut at the run's
+        ``data.max_length`` tokens as in evaluation.
+
+        Raises:
+          ConfigError: the two lists differ in length, or a sentence is empty.
+        """
+        if len(sources) != len(targets):
+            raise ConfigError(f"{len(sources)} sources but {len(targets)} targets")
+        cap = self.config.data.max_length
+        pairs = []
+        for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
+            if not source.strip() or not target.strip():
+                raise ConfigError(f"pair {i} has an empty side: nothing to score")
+            pairs.append(
+                (
+                    _cut(_encode(self._vocab, source, cap), cap),
+                    _cut(_encode(self._vocab, target, cap), cap),
+                )
+            )
+        rows = self._rows(batch_size)
+        out = np.zeros(len(pairs), np.float64)
+        with self._context():
+            for start in range(0, len(pairs), rows):
+                chunk = pairs[start : start + rows]
+                width = _bucket(max(max(s.size, t.size) for s, t in chunk), cap)
+                inputs = np.zeros((rows, width), np.int32)
+                outputs = np.zeros((rows, width), np.int32)
+                for row, (s, t) in enumerate(chunk):
+                    inputs[row, : s.size], outputs[row, : t.size] = s, t
+                log_probs = self._log_probs(self._params, self._put(inputs), self._put(outputs))
+                out[start : start + len(chunk)] = np.asarray(log_probs)[: len(chunk)]
+        return out
+
+    # -------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        with jax.set_mesh(self._model.mesh), nn.logical_axis_rules(self._model.rules):
+            yield
+
+    def _put(self, batch: np.ndarray) -> jax.Array:
+        return jax.device_put(batch, batches.sharding(self._model.mesh))
+
+    def _rows(self, batch_size: int) -> int:
+        devices = mesh_lib.data_parallel_size(self._model.mesh)
+        return -(-batch_size // devices) * devices
+
+    def _encode_all(self, sentences: Sequence[str]):
+        cap = self.config.data.max_length
+        encoded: list[np.ndarray | None] = []
+        skipped = []
+        for i, text in enumerate(sentences):
+            try:
+                encoded.append(_encode(self._vocab, text, cap) if text.strip() else None)
+            except Exception as e:  # noqa: BLE001  (whatever the tokenizer refuses costs one line)
+                encoded.append(None)
+                skipped.append((i, f"could not be tokenized ({type(e).__name__}: {e})"))
+        truncated = sum(t is not None and t.size > cap for t in encoded)
+        return [None if t is None else _cut(t, cap) for t in encoded], skipped, truncated
+
+    def _batches(self, todo: list[int], encoded, batch_size: int):
+        rows = self._rows(batch_size)
+        cap = self.config.data.max_length
+        padded = []
+        for start in range(0, len(todo), rows):
+            chunk = todo[start : start + rows]
+            batch = np.zeros((rows, _bucket(encoded[chunk[0]].size, cap)), np.int32)
+            for row, i in enumerate(chunk):
+                batch[row, : encoded[i].size] = encoded[i]
+            padded.append((chunk, batch))
+        return padded
+
+    def _executable(self, decoder, key, shape):
+        if (key, shape) not in self._compiled:
+            sharding = batches.sharding(self._model.mesh)
+            spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            self._compiled[key, shape] = decoder.lower(self._params, spec).compile()
+        return self._compiled[key, shape]
+
+
+def _log_probs(model, params, inputs, targets) -> jax.Array:
+    """float32 [rows]: sum of log p(target token | source, earlier tokens), padding left out."""
+    logits = model.apply({"params": params}, inputs, targets, train=False)
+    log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(targets > 0, picked, 0.0), axis=-1)
+
+
+def _export_config(path: str) -> ml_collections.ConfigDict:
+    file = storage.path(path) / EXPORT_CONFIG_FILE
+    try:
+        return run_config.from_json(file.read_text())
+    except ValueError as e:
+        raise UserError(f"{file} is damaged ({' '.join(str(e).split())})") from None
+
+
+def _cut(tokens: np.ndarray, cap: int) -> np.ndarray:
+    """At most ``cap`` tokens, the last one EOS (as evaluation truncates)."""
+    return tokens if tokens.size <= cap else np.append(tokens[: cap - 1], np.int32(EOS_ID))
+
+
 def _encode(vocab, text: str, cap: int) -> np.ndarray:
     # A SentencePiece piece is at most 16 characters: the first cap tokens of a
     # very long line come from its first 64 * cap characters; encode no more.
@@ -88,86 +342,3 @@ def _encode(vocab, text: str, cap: int) -> np.ndarray:
 def _bucket(length: int, cap: int) -> int:
     """The padded length: the next power of two (at least 8), at most ``cap``."""
     return min(cap, max(8, 1 << (length - 1).bit_length()))
-
-
-def translate(
-    config,
-    workdir: str,
-    sentences: list[str],
-    *,
-    step: int | None = None,
-    beam_size: int,
-    max_length: int,
-    batch_size: int,
-) -> tuple[list[str], Report]:
-    """Translates ``sentences`` with checkpoint ``step`` (default newest) of ``workdir``.
-
-    Returns:
-      The translations, in order, and a :class:`Report`.
-
-    Raises:
-      ConfigError: not a translation run, more than one process, bad sizes.
-      CheckpointError: no such checkpoint, or it cannot be read.
-    """
-    require_translation_run(config)
-    if jax.process_count() > 1:
-        raise ConfigError("trainer.translate runs as one process (it reads stdin)")
-    if batch_size < 1 or max_length < 1:
-        raise ConfigError(f"--batch_size={batch_size} and --max_length={max_length} must be >= 1")
-    model = experiment_lib.build_model(config, with_data=False)
-    vocab = data_lib.load_vocab(config.data)
-    with console.phase(f"reading the parameters of {workdir}"):
-        step, variables = evaluation.restore_variables(model, workdir, step)
-    params = variables["params"]
-    decoder = task_lib.make_decoder(
-        model.task.eval_model,
-        beam_size=beam_size,
-        max_decode_len=max_length,
-        alpha=config.length_penalty,
-    )
-
-    cap = config.data.max_length
-    encoded: list[np.ndarray | None] = []
-    skipped = []
-    for i, text in enumerate(sentences):
-        try:
-            encoded.append(_encode(vocab, text, cap) if text.strip() else None)
-        except Exception as e:  # noqa: BLE001  (whatever the tokenizer refuses costs one line)
-            encoded.append(None)
-            skipped.append((i, f"could not be tokenized ({type(e).__name__}: {e})"))
-    truncated = sum(t is not None and t.size > cap for t in encoded)
-    encoded = [
-        t if t is None or t.size <= cap else np.append(t[: cap - 1], EOS_ID) for t in encoded
-    ]
-    todo = sorted(
-        (i for i, t in enumerate(encoded) if t is not None), key=lambda i: -encoded[i].size
-    )
-    devices = mesh_lib.data_parallel_size(model.mesh)
-    rows = -(-batch_size // devices) * devices
-    sharding = batches.sharding(model.mesh)
-    padded = []
-    for start in range(0, len(todo), rows):
-        chunk = todo[start : start + rows]
-        batch = np.zeros((rows, _bucket(encoded[chunk[0]].size, cap)), np.int32)
-        for row, i in enumerate(chunk):
-            batch[row, : encoded[i].size] = encoded[i]
-        padded.append((chunk, batch))
-
-    with jax.set_mesh(model.mesh), nn.logical_axis_rules(model.rules):
-        compiled = {}
-        lengths = sorted({batch.shape for _, batch in padded})
-        with console.phase(f"compiling the decoder for {len(lengths)} lengths") as compiling:
-            for shape in lengths:
-                spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-                compiled[shape] = decoder.lower(params, spec).compile()
-        start = time.perf_counter()
-        out = [""] * len(sentences)
-        with console.progress(total=len(todo), desc="translating", unit="sentences") as progress:
-            for chunk, batch in padded:
-                tokens = compiled[batch.shape](params, jax.device_put(batch, sharding))
-                for i, row in zip(chunk, np.asarray(tokens), strict=False):
-                    out[i] = vocab.decode(row)
-                progress.update(len(chunk))
-        decode_s = time.perf_counter() - start
-        compile_s = compiling.seconds
-    return out, Report(step, len(todo), truncated, compile_s, decode_s, tuple(skipped))

@@ -16,11 +16,12 @@ import flax.linen as nn
 import jax
 
 from trainer import checkpoint as checkpoint_lib
+from trainer.command import console, faults
 from trainer.parallel import batches
 from trainer.reporting import metrics as metrics_lib
-from trainer.runtime import console, faults, storage
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
+from trainer.workdir import storage
 
 
 def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], dict[str, float]]:

@@ -23,12 +23,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import tasks as tasks_lib
+from trainer.errors import ConfigError, floating_dtype
 from trainer.parallel import batches, precision
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel import transform as transform_lib
-from trainer.runtime.errors import ConfigError, floating_dtype
 from trainer.training import optimizers
 from trainer.training import step as step_lib
 
@@ -313,6 +313,11 @@ def build(
         gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
     )
     inner, schedule = optimizers.make_optimizer(opt_cfg, params, config.num_train_steps)
+    # Refuses an optimizer that computes something else on a merged or padded tensor
+    # (two optimizer steps on this host's CPU, once per experiment).
+    transform_lib.check_layout_agnostic(
+        optimizer or inner, plan, jax.tree.map(lambda p: p.dtype, params)
+    )
     tx = transform_lib.weight_update_sharding(
         optimizer or inner,
         plan,

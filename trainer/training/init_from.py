@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import stacking
 from trainer import checkpoint as checkpoint_lib
 from trainer.checkpoint import tree as tree_lib
-from trainer.runtime import storage
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
+from trainer.workdir import storage
 
 
 def _flat(tree) -> dict:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "rsqrt", "cosine", "polynomial")

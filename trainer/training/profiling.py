@@ -23,8 +23,8 @@ from collections.abc import Callable
 import jax
 from etils import epath
 
-from trainer.runtime import storage
-from trainer.runtime.errors import ConfigError
+from trainer.errors import ConfigError
+from trainer.workdir import storage
 
 
 class StepProfiler:

@@ -10,8 +10,6 @@ the newest complete one and releases the lock.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Callable
 
 import jax
@@ -20,14 +18,22 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from trainer import checkpoint as checkpoint_lib
-from trainer.runtime import errors, signals
-from trainer.runtime import lock as lock_lib
-from trainer.runtime.errors import UserError
-from trainer.runtime.signals import Signals
+from trainer import errors
+from trainer.command.signals import Signals
+from trainer.errors import UserError
+from trainer.workdir import lock as lock_lib
 
 
 class WorkdirLockLostError(UserError):
     """Another run took the work directory over while this one ran."""
+
+
+class PeerFailedError(UserError):
+    """A process of the job failed or left: no save can complete, and the
+    threads of the saves in flight would wait for it; the command leaves at once."""
+
+    last_words = True
+    exit_at_once = True
 
 
 def _one_line(text: str) -> str:
@@ -39,7 +45,7 @@ class Run:
 
     Args:
       directory: the work directory.
-      signals: from :func:`trainer.runtime.signals.install`.
+      signals: from :func:`trainer.command.signals.install`.
       lock_timeout_s: ``config.workdir_lock_timeout_s``.
     """
 
@@ -89,7 +95,7 @@ class Run:
         A stop request on any process (SIGTERM, Ctrl-C, a dead launcher) stops
         every process at this boundary: the flags are gathered from all of them,
         so they agree on the step to save. (JAX's own preemption sync is off in
-        the commands, :func:`trainer.runtime.process.setup` says why.)
+        the commands, :func:`trainer.command.process.setup` says why.)
 
         Raises:
           SaveFailedError: a background save failed on some process.
@@ -119,7 +125,7 @@ class Run:
             and jax.process_count() > 1
             and isinstance(exc, jax.errors.JaxRuntimeError)
         ):
-            self._exit_after_peer_failure(exc)  # does not return
+            raise self._after_peer_failure(exc) from exc
         save_error = None
         try:
             if self._checkpointer is not None:
@@ -133,7 +139,8 @@ class Run:
                     self._say(self._ending(exc))
         finally:
             self._close_all()
-            self._lock.release()
+            # After a clean end the peers are leaving too: their part of the lock goes.
+            self._lock.release(wait_for_peers_s=5.0 if exc is None else 0.0)
         if save_error is not None and not isinstance(exc, checkpoint_lib.SaveFailedError):
             if exc is None:
                 raise save_error
@@ -152,9 +159,10 @@ class Run:
         if exc is not None or self.stopped_at is None:
             return tail
         how = "preempted" if self.signals.first in (None, "SIGTERM") else "interrupted (Ctrl-C)"
+        again = "; run the same command again to resume" if newest is not None else ""
         if self.stopped_at is None or not self.trained:
-            return f"{how} before the first step: nothing new to save; {tail}"
-        return f"{how}: saved step {self.stopped_at}; {tail}"
+            return f"{how} before the first step: nothing new to save; {tail}{again}"
+        return f"{how}: saved step {self.stopped_at}; {tail}{again}"
 
     def _say(self, line: str) -> None:
         if self._lead:
@@ -166,10 +174,10 @@ class Run:
                 close()
         self._closers = []
 
-    def _exit_after_peer_failure(self, exc: BaseException) -> None:
+    def _after_peer_failure(self, exc: BaseException) -> PeerFailedError:
         """A peer died: no save can complete, and Orbax's threads would wait on
         it (until JAX's coordination service ends the process): abandon the save,
-        say so and leave at once."""
+        say so, release the lock; the error tells the command to leave at once."""
         text = ""
         with contextlib.suppress(Exception):
             abandoned = self._checkpointer.abandon() if self._checkpointer else None
@@ -177,15 +185,13 @@ class Run:
         self._close_all()
         with contextlib.suppress(Exception):
             self._say(text + self._ending(exc, listed=False))
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        message = f"a process of the job failed or left ({first}); restart the job to resume"
-        with contextlib.suppress(Exception):
-            print(f"error: {_one_line(message)}", file=sys.stderr, flush=True)
-        signals.silence()  # what follows makes the save's writer threads fail, loudly
         with contextlib.suppress(Exception):
             if self._lead:
                 self._lock.release()
-        os._exit(1)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return PeerFailedError(
+            f"a process of the job failed or left ({_one_line(first)}); restart the job to resume"
+        )
 
     def _stop_now(self) -> str:
         """Ctrl-C twice (from the signal thread, racing the main thread until the

@@ -20,18 +20,20 @@ import numpy as np
 from etils import epath
 
 from trainer import checkpoint as checkpoint_lib
-from trainer.data import feed as feed_lib
+from trainer import errors
+from trainer.command import cli, console, faults, signals
+from trainer.errors import ConfigError, UserError
+from trainer.input import feed as feed_lib
 from trainer.parallel import batches, hardware
 from trainer.parallel import mesh as mesh_lib
 from trainer.reporting import metrics as metrics_lib
 from trainer.reporting import rows as rows_lib
 from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
-from trainer.runtime import cli, console, errors, faults, signals, storage
-from trainer.runtime.errors import ConfigError, UserError
 from trainer.training import evaluation, init_from, profiling, stopping
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
+from trainer.workdir import storage
 
 
 class NonFiniteLossError(UserError):
@@ -87,7 +89,7 @@ def train(
       config: the run config (``optimizer.update_sharding`` resolved: ``auto`` is
         the command's to resolve, :func:`trainer.analysis.compiled.choose_update_sharding`).
       workdir: the run directory (a local path or a URL).
-      stop: the process's stop requests (:func:`trainer.runtime.signals.install`, as
+      stop: the process's stop requests (:func:`trainer.command.signals.install`, as
         ``python -m trainer`` installs them); None: none arrive, and Ctrl-C is
         Python's own KeyboardInterrupt.
       started: ``time.time()`` when the process started, for the summary's
@@ -188,6 +190,9 @@ def _train(
     # restored step (a run that died after logging them wrote them).
     if lead:
         storage.write_atomically(directory / "config.json", config.to_json_best_effort(indent=2))
+        for name, content in exp.task.run_files.items():
+            if not (kept := directory / name).exists() or kept.read_bytes() != content:
+                storage.write_atomically(kept, content)
         if skipped := metrics_lib.drop_rows_after(directory, int(state.step)):
             errors.warn(rows_lib.skipped_warning(directory / "metrics.jsonl", skipped))
     writer = metrics_lib.MetricWriter(directory, enabled=lead)
@@ -240,6 +245,11 @@ def _train(
         batch, batch_data_state = feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
     timer.lap(0)
+    # The steps the next row's training metrics average: from here (a resume's first
+    # row covers fewer than log_every_steps, and says so).
+    window_start = step
+    live = console.StepLine(step=step, total=total)
+    run.closes(live.close)
     while step < total:
         if not run.trained and run.should_stop():  # asked during start-up or compile
             run.stopped_at = step
@@ -266,9 +276,12 @@ def _train(
         steps_since_lap += k
         window.append(loop_metrics)
         report.add("train", time.perf_counter() - loop_started)
+        live.update(step)
 
-        log_now = config.log_every_steps and step % config.log_every_steps == 0
-        eval_now = config.eval_every_steps and step % config.eval_every_steps == 0
+        log_every, eval_every = config.log_every_steps, config.eval_every_steps
+        log_now = log_every and step % log_every == 0
+        # eval_every_steps=0: never (not even at the end).
+        eval_now = eval_every and (step % eval_every == 0 or step == total)
         if log_now or eval_now or step == total:
             rate = timer.lap(steps_since_lap)
             steps_since_lap = 0
@@ -277,6 +290,7 @@ def _train(
             scalars = metrics_lib.reduce_loop_metrics(stacked, step_lib.STEP_SCALARS)
             examples_per_sec = rate * config.global_batch_size
             scalars |= {"steps_per_sec": rate, "examples_per_sec": examples_per_sec}
+            scalars["step_time_s"] = 1.0 / max(rate, 1e-9)
             scalars |= metrics_lib.device_memory(jax.local_devices())
             if peak:
                 flops_per_sec = task.flops_per_example * examples_per_sec
@@ -285,12 +299,16 @@ def _train(
                 scalars["tokens_per_sec"] = float(np.sum(stacked["weight"])) / max(
                     len(stacked["weight"]) / rate, 1e-9
                 )
-            if eval_now or step == total:
+            if eval_now:
                 with report.timing("eval"):
                     scalars |= evaluate(state)
                 timer.lap(0)  # eval time is not training throughput
-            writer.write(step, scalars)
-            writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9))
+            window_steps, window_start = step - window_start, step
+            writer.write(step, scalars, window_steps=window_steps)
+            since_resume = restored is not None and step - window_steps == saved_step
+            short = since_resume and window_steps < (log_every or total)
+            note = f"over the {window_steps} steps since the resume" if short else ""
+            writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9), note=note)
 
         every = config.checkpoint_every_steps
         stop = run.should_stop()

@@ -1,0 +1,129 @@
+"""Runs the README's demo and its tutorial, then rewrites what the README shows of
+them from those very runs: the demo's console transcript and ``docs/tiny_run.png``.
+
+    python scripts/readme_demo.py [--check]
+
+The commands are the README's, with its paths (``/tmp/demo``, ``/tmp/demo_params``,
+``/tmp/finetune``, ``/tmp/profiled``; removed first, so run it where nothing else
+uses them). Each command's wall time is printed. The transcript replaces the block
+between the README's ``readme_demo.py: transcript`` markers, and the picture is the
+tutorial's own ``trainer.plot`` output, copied to ``docs/tiny_run.png``. ``--check``
+changes nothing and exits 1 if the README's transcript has other metrics than this
+run's (loss and eval figures, line by line; times and speeds are the machine's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "README.md")
+PICTURE = os.path.join(REPO, "docs", "tiny_run.png")
+BEGIN = "<!-- readme_demo.py: transcript -->"
+END = "<!-- readme_demo.py: end -->"
+TINY = "configs/transformer_1024.py:tiny"
+DIRS = ("/tmp/demo", "/tmp/demo_params", "/tmp/finetune", "/tmp/profiled")
+# The README's tutorial, after the demo run, as a user types it (shell redirections
+# included); its outputs stay under /tmp/demo.
+TUTORIAL = [
+    "python -m trainer.evaluate --workdir /tmp/demo --cpu_devices 8 --config.eval_beam_size=4",
+    f"python -m trainer.data.prepare --config {TINY} --eval_text /tmp/demo/sentences.txt",
+    "python -m trainer.translate --workdir /tmp/demo --beam_size 4 --cpu_devices 8 "
+    "< /tmp/demo/sentences.txt > /tmp/demo/translations.txt",
+    "sacrebleu /tmp/demo/sentences.txt.ref -i /tmp/demo/translations.txt -b",
+    "python -m trainer.export --workdir /tmp/demo --out /tmp/demo_params",
+    f"python -m trainer --config {TINY} --workdir /tmp/finetune --cpu_devices 4 "
+    "--config.init_from=/tmp/demo_params --config.optimizer.update_sharding=fsdp "
+    "--config.optimizer.learning_rate=0.001 --config.num_train_steps=200",
+    f"python -m trainer --config {TINY} --workdir /tmp/profiled --cpu_devices 8 "
+    "--config.init_from=/tmp/demo_params --config.steps_per_loop=5 "
+    "--config.profile_steps=10,5 --config.num_train_steps=20 --config.eval_every_steps=0",
+    "python -m trainer.plot /tmp/demo /tmp/finetune --out /tmp/demo/run.png",
+]
+# What in a transcript line is the machine's, not the run's: times, speeds, the
+# events file's name (its creation time).
+_MACHINE = re.compile(
+    r"\d+(\.\d+)?(m\d+)?s\b|\d+m\d+s|steps/s [\d.]+|[\d,]+ examples/s|ETA [^|]*$|"
+    r"events\.out\.tfevents\.\d+\.\S+?(,|$)"
+)
+
+
+def run(command: str, *, capture: bool = False) -> str:
+    """Runs ``command`` in a shell from the repository; says its wall time and, when
+    ``capture``, the longest silence between the lines it printed (a pipe's view)."""
+    print(f"$ {command}", flush=True)
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, shell=True, cwd=REPO, text=True, stdout=subprocess.PIPE if capture else None
+    )
+    lines, silence, last = [], (0.0, ""), start
+    for line in process.stdout if capture else ():
+        now = time.perf_counter()
+        silence = max(silence, (now - last, line.strip()))
+        lines.append(line)
+        last = now
+    code = process.wait()
+    print(f"  ({time.perf_counter() - start:.1f}s)", flush=True)
+    if capture:
+        print(f"  longest silence: {silence[0]:.1f}s, before {silence[1][:60]!r}", flush=True)
+    if code != 0:
+        sys.exit(f"failed ({code}): {command}")
+    return "".join(lines)
+
+
+def transcript_block(text: str) -> str:
+    """The console as the README shows it: indented four spaces, as a code block."""
+    return "".join(f"    {line}\n" if line else "\n" for line in text.rstrip("\n").split("\n"))
+
+
+def metrics_only(block: str) -> list[str]:
+    """A transcript's lines with the machine's figures taken out."""
+    return [_MACHINE.sub("#", line) for line in block.splitlines()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/readme_demo.py", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--check", action="store_true", help="compare only; change nothing")
+    args = parser.parse_args()
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    if BEGIN not in readme or END not in readme:
+        sys.exit(f"no {BEGIN} ... {END} block in {README}")
+    for directory in DIRS:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    start = time.perf_counter()
+    demo = run(
+        f"python -m trainer --config {TINY} --workdir /tmp/demo --cpu_devices 8", capture=True
+    )
+    print(demo, end="", flush=True)
+    for command in TUTORIAL:
+        run(command)
+    print(f"all commands: {time.perf_counter() - start:.0f}s", flush=True)
+
+    with open(README, encoding="utf-8") as f:  # again: it may have been edited meanwhile
+        readme = f.read()
+    head, rest = readme.split(BEGIN, 1)
+    old, tail = rest.split(END, 1)
+    new = "\n\n" + transcript_block(demo) + "\n"
+    if args.check:
+        same = metrics_only(old) == metrics_only(new)
+        print("the README's transcript matches this run" if same else "the README differs")
+        return 0 if same else 1
+    with open(README, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + new + END + tail)
+    shutil.copyfile("/tmp/demo/run.png", PICTURE)
+    print(f"rewrote the transcript in {README} and {PICTURE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""A user's mistakes end in one ``error:`` line and a non-zero exit, with no
+traceback, across ``trainer``, ``trainer.bench`` and ``launch.local``; a second
+run on a busy work directory is refused naming the holder; the launcher's
+processes die with it.
+
+The commands run as a user types them, as subprocesses, several at a time (each
+stops before or right after building the model, so they are short).
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import REPO, command_env, run_command, start_command, tiny_command, tiny_flags
+
+from configs import ncf_16, transformer_1024
+
+
+def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
+    """``name: (command, text the error line contains)``."""
+    afile = os.path.join(tmp, "afile")
+    data = os.path.join(tmp, "tfds")
+
+    def python(*args: str) -> list[str]:
+        return [sys.executable, "-m", *args]
+
+    def trainer(name: str, **overrides) -> list[str]:
+        return tiny_command(os.path.join(tmp, name), data, **overrides)
+
+    return {
+        "no config file": (
+            python("trainer", "--config", "configs/nope.py", "--workdir", os.path.join(tmp, "w")),
+            "--config configs/nope.py: no such file 'configs/nope.py'",
+        ),
+        "typo in a key": (
+            trainer("typo", num_train_step=8),
+            "unknown config key 'num_train_step' (from --config.num_train_step=...); "
+            "did you mean 'num_train_steps'?",
+        ),
+        "empty workdir": (tiny_command("", data), "--workdir is empty"),
+        "workdir is a file": (
+            tiny_command(afile, data),
+            f"--workdir {afile} is a file, not a directory",
+        ),
+        "negative cpu_devices": (
+            python(
+                "trainer",
+                "--config",
+                "configs/transformer_1024.py:tiny",
+                "--cpu_devices",
+                "-1",
+                "--workdir",
+                os.path.join(tmp, "cpu"),
+            ),
+            "--cpu_devices must be >= 0",
+        ),
+        "keep no checkpoint": (
+            trainer("keep", keep_checkpoints=0),
+            "keep_checkpoints must be >= 1",
+        ),
+        "more devices than exist": (
+            trainer("mesh", **{"mesh.num_devices": 16}),
+            "mesh.num_devices=16 but there are 8 devices",
+        ),
+        "heads do not divide qkv_dim": (
+            trainer("heads", **{"model.num_heads": 5}),
+            "model.qkv_dim=64 must split evenly over model.num_heads=5",
+        ),
+        "model dtype": (
+            trainer("dtype", **{"model.dtype": "bfloat61"}),
+            "model.dtype='bfloat61' is not a floating-point dtype",
+        ),
+        "gather dtype": (
+            trainer("gdtype", **{"optimizer.gather_dtype": "int3"}),
+            "optimizer.gather_dtype='int3' is not a floating-point dtype",
+        ),
+        "sequences longer than the model": (
+            trainer("maxlen", **{"data.max_length": 128}),
+            "data.max_length=128 is longer than the model's position table, model.max_len=64",
+        ),
+        "data_dir is a file": (
+            tiny_command(os.path.join(tmp, "dd"), afile),
+            f"data.data_dir={afile} is a file, not a directory",
+        ),
+        "launcher without processes": (
+            python("launch.local", "--num_processes", "0", "--", *tiny_flags(tmp, data)),
+            "--num_processes must be >= 1, got 0",
+        ),
+        "launcher with negative processes": (
+            python("launch.local", "--num_processes", "-2", "--", *tiny_flags(tmp, data)),
+            "--num_processes must be >= 1, got -2",
+        ),
+        "plot into a directory": (
+            python("trainer.plot", os.path.join(tmp, "w"), "--out", tmp),
+            f"--out {tmp} is a directory: give the name of a file, e.g. {tmp}/runs.png",
+        ),
+        # Paths a file system refuses, each named with what is wrong and what to do.
+        "workdir under a file (ENOTDIR)": (
+            tiny_command(os.path.join(afile, "run"), data),
+            f"--workdir {afile}/run: Not a directory ({afile} is a file): move that file away",
+        ),
+        "workdir in a symlink loop (ELOOP)": (
+            tiny_command(os.path.join(tmp, "loop", "run"), data),
+            f"--workdir {tmp}/loop/run: Too many levels of symbolic links: its symbolic links "
+            "form a loop",
+        ),
+        "workdir a dangling symlink (EEXIST)": (
+            tiny_command(os.path.join(tmp, "dangling"), data),
+            f"({tmp}/dangling is a symbolic link to {tmp}/gone, which does not exist): create "
+            "what it points to, remove the link",
+        ),
+        "workdir name too long (ENAMETOOLONG)": (
+            tiny_command(os.path.join(tmp, "n" * 300), data),
+            "File name too long: a name in it is longer than the file system allows",
+        ),
+        "checkpoints is a file": (
+            tiny_command(os.path.join(tmp, "ck"), data),
+            f"{tmp}/ck/checkpoints is a file, where the run keeps its checkpoints: move it away",
+        ),
+        "hparams path is a directory": (
+            tiny_command(os.path.join(tmp, "hp"), data),
+            f"{tmp}/hp/events.out.tfevents.0.hparams is a directory, where the run writes its",
+        ),
+        "bench --json into a directory": (
+            python(
+                "trainer.bench",
+                "--config",
+                "configs/transformer_1024.py:tiny,synthetic",
+                "--cpu_devices",
+                "8",
+                "--json",
+                tmp,
+            ),
+            f"--json {tmp} is a directory: give the name of a file, e.g. {tmp}/results.json",
+        ),
+        "aot --json into a directory": (
+            python(
+                "trainer.aot",
+                "--config",
+                "configs/transformer_16.py:synthetic",
+                "--topology",
+                "v3:4x4",
+                "--json",
+                tmp,
+            ),
+            f"--json {tmp} is a directory",
+        ),
+        "aot with no mode": (
+            python(
+                "trainer.aot",
+                "--config",
+                "configs/transformer_16.py:synthetic",
+                "--topology",
+                "v3:4x4",
+                "--modes=",
+            ),
+            "--modes is empty",
+        ),
+        "prepare --eval_text on a directory": (
+            python(
+                "trainer.data.prepare",
+                "--config",
+                "configs/transformer_1024.py:tiny",
+                f"--config.data.data_dir={data}",
+                "--eval_text",
+                tmp,
+            ),
+            f"--eval_text {tmp} is a directory",
+        ),
+        # Values the run cannot represent or use.
+        "get_config returns no config": (
+            python("trainer", "--config", os.path.join(tmp, "c42.py"), "--workdir", afile),
+            f"--config {tmp}/c42.py: get_config() returned int '42', not an "
+            "ml_collections.ConfigDict",
+        ),
+        "a step count beyond int32": (
+            trainer("big", num_train_steps=10**20),
+            "num_train_steps=100000000000000000000 is beyond what the run can represent",
+        ),
+        "an unknown fault": (
+            ["env", "WUS_FAULT=bogus", *trainer("fault")],
+            "WUS_FAULT='bogus': expected <point>:<action>[:<n>]",
+        ),
+        "translate a recommendation run": (
+            python("trainer.translate", "--workdir", os.path.join(tmp, "ncf")),
+            "this is a run of model.name='ncf', not a translation model",
+        ),
+        "translate with stdin closed": (
+            ["sh", "-c", f"exec {sys.executable} -m trainer.translate --workdir {tmp}/mt <&-"],
+            "stdin is closed: give the sentences on it, one a line",
+        ),
+        "evaluate a damaged config.json with no checkpoint": (
+            python("trainer.evaluate", "--workdir", os.path.join(tmp, "cut")),
+            f"{tmp}/cut/config.json is damaged (JSONDecodeError: ",
+        ),
+        "aot mode unknown": (
+            python(
+                "trainer.aot",
+                "--config",
+                "configs/transformer_1024.py:tiny",
+                "--topology",
+                "v3:2x2",
+                "--modes",
+                "wus,bogus",
+            ),
+            "--modes: 'bogus' not one of none, wus, fsdp, auto",
+        ),
+        "init_from its own directory": (
+            trainer("own", init_from=os.path.join(tmp, "own")),
+            f"init_from={os.path.join(tmp, 'own')} is this run's own work directory",
+        ),
+        "bench loop length": (
+            python(
+                "trainer.bench",
+                "--config",
+                "configs/transformer_1024.py:tiny",
+                "--steps_per_loop",
+                "abc",
+                "--cpu_devices",
+                "8",
+            ),
+            "--steps_per_loop: expected loop lengths",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case's result, run 3 at a time (most of their time is importing JAX)."""
+    tmp = str(tmp_path_factory.mktemp("mistakes"))
+    open(os.path.join(tmp, "afile"), "w").close()
+    os.symlink("loop", os.path.join(tmp, "loop"))
+    os.symlink(os.path.join(tmp, "gone"), os.path.join(tmp, "dangling"))
+    os.makedirs(os.path.join(tmp, "ck"))
+    open(os.path.join(tmp, "ck", "checkpoints"), "w").close()
+    os.makedirs(os.path.join(tmp, "hp", "events.out.tfevents.0.hparams"))
+    with open(os.path.join(tmp, "c42.py"), "w") as f:
+        f.write("def get_config():\n    return 42\n")
+    # Run directories as far as the commands read them before any checkpoint.
+    for name, config in (
+        ("ncf", ncf_16.get_config("tiny")),
+        ("mt", transformer_1024.get_config("tiny")),
+    ):
+        os.makedirs(os.path.join(tmp, name))
+        with open(os.path.join(tmp, name, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort())
+    os.makedirs(os.path.join(tmp, "cut"))
+    with open(os.path.join(tmp, "cut", "config.json"), "w") as f:
+        f.write(transformer_1024.get_config("tiny").to_json_best_effort()[:100])
+    cases = _cases(tmp)
+    with ThreadPoolExecutor(3) as pool:
+        done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
+    return {name: (done[name], cases[name][1]) for name in cases}
+
+
+@pytest.mark.parametrize("name", list(_cases("/tmp")))
+def test_mistake_is_one_error_line(results, name):
+    result, message = results[name]
+    assert result.returncode not in (0, None), result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert message in errors[0], errors[0]
+    assert result.stderr.strip().splitlines()[-1] == errors[0]
+
+
+def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
+    import fcntl
+
+    # A live run's lock: held (flock) by this process, with the holder's description.
+    lock = os.open(tmp_path / "run.lock", os.O_RDWR | os.O_CREAT)
+    holder = {
+        "id": "x",
+        "host": "otherhost",
+        "pid": 4242,
+        "started": time.time(),
+        "command": "python -m trainer --config first",
+    }
+    os.write(lock, json.dumps(holder).encode())
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        result = run_command(tiny_command(tmp_path, tmp_path / "tfds"))
+    finally:
+        os.close(lock)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"error: {tmp_path} is in use by another run (pid 4242 on host otherhost, started "
+    ), last
+    assert "python -m trainer --config first" in last
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.json").exists()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process under ``pid`` (children, their children, ...), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
+    """Starts ``launch.local`` (2 processes) on ``workdir``; once ``ready(lines so far)``,
+    SIGKILLs it and checks that none of its processes lives 30 s later. Returns its output."""
+    flags = tiny_flags(
+        workdir,
+        data,
+        **{
+            "num_train_steps": 100000,
+            "steps_per_loop": 2,
+            "log_every_steps": 2,
+            "checkpoint_every_steps": 2,
+            "eval_every_steps": 0,
+            "data.num_eval_examples": 16,
+            **overrides,
+        },
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--num_processes=2",
+            "--cpu_devices=2",
+            "--",
+            *flags,
+        ],
+        cwd=REPO,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines, deadline = [], time.time() + 300
+    try:
+        while not ready(lines) and time.time() < deadline:
+            line = launcher.stdout.readline()
+            assert line or launcher.poll() is None, "".join(lines)[-3000:]
+            lines.append(line)
+        assert ready(lines), "".join(lines)[-3000:]
+        processes = _descendants(launcher.pid)
+        assert len(processes) >= 2, processes
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.time() + 30
+    while any(map(_alive, processes)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in processes if _alive(pid)]
+    for pid in left:  # do not leave them running if the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes {left} outlived their launcher by 30 s"
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
+def test_launcher_killed_mid_loop_or_mid_save_takes_its_processes_along(tmp_path):
+    workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    # SIGKILL while a loop runs (the processes have logged a step).
+    _kill_launcher_when(workdir, data, lambda lines: any("[p0] step" in line for line in lines))
+
+    # Again, while a save is written (a temporary directory after a complete checkpoint).
+    def saving(lines):
+        if not any("[p0] step" in line for line in lines[-1:]):
+            return False
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            if glob.glob(str(checkpoints / "*tmp*")):
+                return True
+            time.sleep(0.002)
+        return False
+
+    lines = _kill_launcher_when(workdir, data, saving)
+    assert any("resumed from the checkpoint of step" in line for line in lines), lines[-20:]
+    # A new run takes the directory over and resumes from the newest complete checkpoint.
+    newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    result = run_command(
+        tiny_command(
+            workdir, data, num_train_steps=newest + 2, steps_per_loop=2, eval_every_steps=0
+        )
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"resumed from the checkpoint of step {newest}" in result.stdout
+    assert not glob.glob(str(checkpoints / "*tmp*"))
+
+
+def test_new_run_waits_for_the_last_process_of_the_previous_one(tmp_path):
+    import fcntl
+
+    # A process of an earlier job still holds its share of the directory (run.lock is free).
+    peers = os.open(tmp_path / "run.lock.peers", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(peers, fcntl.LOCK_SH)
+    proc = start_command(
+        tiny_command(
+            tmp_path, tmp_path / "tfds", num_train_steps=2, steps_per_loop=2, eval_every_steps=0
+        )
+    )
+    try:
+        # The config block and the compilation cache are said before the lock is taken.
+        first = proc.stdout.readline()
+        while first and not first.startswith("warning:"):
+            first = proc.stdout.readline()
+        assert first.startswith(
+            f"warning: waiting for processes of the previous run in {tmp_path} to exit (pids "
+            f"{os.getpid()})"
+        ), first
+        time.sleep(1.0)
+        assert proc.poll() is None and not (tmp_path / "config.json").exists()
+    finally:
+        os.close(peers)  # the straggler exits
+    out = first + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and (tmp_path / "checkpoints" / "2").is_dir()
+    assert not (tmp_path / "run.lock.peers").exists()  # no straggler left: removed at exit
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.4, 1.0, 1.8])
+def test_ctrl_c_twice_while_starting_is_a_clean_exit(tmp_path, delay):
+    # The first ~30 ms are Python's own start-up (site packages), which no program reaches.
+    proc = subprocess.Popen(
+        tiny_command(tmp_path, tmp_path / "tfds"),
+        cwd=REPO,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
+    workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")
+    flags = tiny_flags(
+        workdir,
+        data,
+        num_train_steps=100000,
+        # Long loops: the orphaned processes still hold the directory when the new
+        # run asks for it (they stop at the next loop boundary, or after --grace).
+        steps_per_loop=100,
+        log_every_steps=100,
+        checkpoint_every_steps=100,
+        eval_every_steps=0,
+    )
+    launch = ["launch.local", "--num_processes=2", "--cpu_devices=2", "--grace=20", "--"]
+    launcher = start_command([sys.executable, "-m", *launch, *flags])
+    try:
+        for line in launcher.stdout:
+            if "[p0] step" in line:
+                break
+        # Past that boundary (its stop check, its save), inside the next 100-step loop:
+        # killed at the boundary itself, the processes could stop there at once and be
+        # gone before the new run starts.
+        time.sleep(2.0)
+    finally:
+        launcher.kill()  # its processes save at the next boundary and exit
+        launcher.wait()
+    result = run_command(
+        tiny_command(workdir, data, num_train_steps=2, steps_per_loop=2, eval_every_steps=0)
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "whose launcher has died: waiting up to 30s for it to save and exit" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,60 @@
+"""Flags of the commands that work on a finished run (``trainer.evaluate``,
+``trainer.translate``): ``--config`` is the config of the run ``--workdir`` names
+(:mod:`trainer.workdir.run_config`), which ``--config.a.b=value`` overrides with the
+trainer's own syntax and types, e.g. another mesh or ``--config.eval_beam_size=4``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from trainer.command import cli
+from trainer.errors import UserError
+from trainer.workdir import run_config, storage
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing (for ``app.run(flags_parser=...)``) where ``--config`` is the
+    config of the run named by ``--workdir``, overridden by ``--config.a.b=value``.
+
+    Mistakes end in one ``error:`` line, as the trainer's do.
+    """
+    storage.configure()  # config.json may be in a bucket (and its emulator)
+    workdir = _flag_value(argv, "workdir")
+    if workdir is None:
+        cli.fail("--workdir is required (a run directory written by python -m trainer)")
+    try:
+        config = run_config.load(workdir)
+    except FileNotFoundError:
+        cli.fail(f"no config.json in {workdir}: not a run directory of python -m trainer")
+    except UserError as e:
+        cli.fail(str(e))
+    except OSError as e:
+        cli.fail(f"--workdir {storage.explain(e)}")
+    cli.check_keys(config, cli.config_overrides(argv))
+    config_flags.DEFINE_config_dict("config", config, "The run's config.", sys_argv=argv)
+    return cli.parse_flags(argv)
+
+
+def overrides(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``{"a.b": value}`` where ``config`` differs from the run's own config."""
+    before = cli.flat_config(run_config.load(workdir, warn=False))
+    return {k: v for k, v in cli.flat_config(config).items() if before.get(k) != v}
+
+
+def config_value() -> ml_collections.ConfigDict:
+    """The parsed ``--config`` (after :func:`parse_flags`)."""
+    return flags.FLAGS.config
