@@ -12,6 +12,8 @@ at most one ``error:`` line per process, the exit code the stop implies, only
 complete checkpoints listed, and the newest one the run names is the newest
 listed. Each time a run reaches the last step, its metrics (every row, timing
 fields aside) must equal the reference's; the work directory then starts afresh.
+Each run stopped by an external signal says how long the job took to exit after
+it, and the summary gives the median and longest for SIGTERM.
 
 ``--processes 2`` runs every job (the reference too) as 2 processes of 4 CPU
 devices under ``launch.local``; an external SIGKILL or SIGTERM then goes to the
@@ -212,6 +214,7 @@ def main() -> int:
 
     workdir = os.path.join(args.dir, "run")
     failures, finished, compared, stopped_runs = 0, 0, 0, 0
+    term_exits: list[float] = []  # seconds from an external SIGTERM to the job's exit
     run_index = 0
     while stopped_runs < args.count or finished == 0 or os.path.exists(workdir):
         last = stopped_runs >= args.count  # all stops done: run to the end
@@ -234,17 +237,20 @@ def main() -> int:
         began = time.time()
         before = listed(workdir)
         proc = start(workdir, args, fault)
+        signalled = None  # when the signal went out, if it reached a running job
         if delay is not None:
             try:
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 pids = [proc.pid] if target != "process" else trainer_processes(proc.pid)[:1]
+                signalled = time.time()
                 for signum in SIGNALS[way]:
                     for pid in pids:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signum)
                     time.sleep(0.05)
         out = proc.communicate(timeout=600)[0]
+        to_exit = None if signalled is None else time.time() - signalled
         with open(os.path.join(args.dir, f"run{run_index:03d}.log"), "w") as f:
             f.write(
                 f"# fault={fault} way={way} target={target} delay={delay} "
@@ -271,9 +277,12 @@ def main() -> int:
             if delay is not None
             else "to the end"
         )
+        if to_exit is not None and way == "term":
+            term_exits.append(to_exit)
         print(
             f"run {run_index:3d}: {what:32s} rc {proc.returncode:4d} | checkpoints {before} -> "
             f"{listed(workdir)} | {time.time() - began:4.0f}s"
+            f"{f' | exit {to_exit:.1f}s after the signal' if to_exit is not None else ''}"
             f"{' | finished, equal to the reference' if done and not problems else ''}"
             f"{' | PROBLEMS: ' + '; '.join(problems) if problems else ''}",
             flush=True,
@@ -289,6 +298,13 @@ def main() -> int:
         f"{time.time() - start_s:.0f}s",
         flush=True,
     )
+    if term_exits:
+        median = sorted(term_exits)[len(term_exits) // 2]
+        print(
+            f"SIGTERM to exit: {len(term_exits)} runs, median {median:.1f}s, "
+            f"longest {max(term_exits):.1f}s (the loop in flight finishes, then the save)",
+            flush=True,
+        )
     return 1 if failures else 0
 
 
