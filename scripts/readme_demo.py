@@ -5,7 +5,10 @@ them from those very runs: the demo's console transcript and ``docs/tiny_run.png
 
 The commands are the README's, with its paths (``/tmp/demo``, ``/tmp/demo_params``,
 ``/tmp/finetune``, ``/tmp/profiled``; removed first, so run it where nothing else
-uses them). Each command's wall time is printed. The transcript replaces the block
+uses them). The embedded ``tiny_translation`` data and its vocabulary are removed
+from TFDS's default directory first too (the run generates them again in seconds),
+so the transcript is a first run's, as a new user sees it. Each command's wall time
+is printed. The transcript replaces the block
 between the README's ``readme_demo.py: transcript`` markers, and the picture is the
 tutorial's own ``trainer.plot`` output, copied to ``docs/tiny_run.png``. ``--check``
 changes nothing and exits 1 if the README's transcript has other metrics than this
@@ -99,6 +102,11 @@ def main() -> int:
         sys.exit(f"no {BEGIN} ... {END} block in {README}")
     for directory in DIRS:
         shutil.rmtree(directory, ignore_errors=True)
+    tfds_dir = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+    shutil.rmtree(os.path.join(tfds_dir, "tiny_translation"), ignore_errors=True)
+    for name in os.listdir(tfds_dir) if os.path.isdir(tfds_dir) else ():
+        if name.startswith("tiny_translation_spm_"):
+            os.remove(os.path.join(tfds_dir, name))
 
     start = time.perf_counter()
     demo = run(

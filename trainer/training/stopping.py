@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 
 from trainer import checkpoint as checkpoint_lib
 from trainer import errors
+from trainer.command import console
 from trainer.command.signals import Signals
 from trainer.errors import UserError
 from trainer.workdir import lock as lock_lib
@@ -166,7 +167,7 @@ class Run:
 
     def _say(self, line: str) -> None:
         if self._lead:
-            print(line, flush=True)
+            console.say(line)  # above the live step line, on a terminal
 
     def _close_all(self) -> None:
         for close in reversed(self._closers):
