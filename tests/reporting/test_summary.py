@@ -20,6 +20,15 @@ def test_the_tensorboard_hint_says_how_to_install_it_where_it_is_missing(tmp_pat
         line
         == f"tensorboard --logdir {tmp_path}   (not installed: pip install tensorboard==2.21.0)"
     )
+    # With metrics to plot and no matplotlib, the plot hint names the extra too.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n')
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("tensorboard", "matplotlib") else real(name, *a),
+    )
+    plot = summary.commands(epath.Path(tmp_path))[1]
+    assert plot.endswith("metrics.png   (needs matplotlib: pip install -e '.[plot]')")
     # The version the project tests its event files with (pyproject.toml's test extra).
     with open(epath.Path(__file__).parents[2] / "pyproject.toml") as f:
         assert re.search(rf'"{re.escape(summary.TENSORBOARD)}"', f.read())

@@ -196,5 +196,7 @@ def commands(directory: epath.Path, *, evaluate_flags: str = "") -> list[str]:
         out[0] += f"   (not installed: pip install {TENSORBOARD})"
     if _metric_rows(directory):  # a run stopped before its first log step has none
         out.append(f"python -m trainer.plot {where} --out {where}/metrics.png")
+        if importlib.util.find_spec("matplotlib") is None:
+            out[-1] += "   (needs matplotlib: pip install -e '.[plot]')"
     out.append(f"python -m trainer.evaluate --workdir {where}{evaluate_flags}")
     return out
