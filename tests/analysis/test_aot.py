@@ -187,6 +187,7 @@ def test_memory_win_and_estimates(report):
     assert "estimated step time" in stdout
 
 
+@pytest.mark.slow  # 30-65 s of TPU compiles with a cold cache
 def test_full_remat_lowers_hbm(devices):
     # Activations must dominate: 3+3 layers, 8 rows of 32 tokens per core.
     hbm = {}
@@ -204,6 +205,7 @@ def test_full_remat_lowers_hbm(devices):
     assert hbm["full"] < 0.95 * hbm["none"]  # 42.2 -> 38.0 MB when written
 
 
+@pytest.mark.slow  # 30-65 s of TPU compiles with a cold cache
 def test_does_not_fit_is_reported(devices, capsys):
     # 1.07e9 f32 embedding entries: 4 GiB of weights, 12 GiB with Adam, replicated,
     # and an f32 gradient of 4 GiB. (Twice that puts 8 GiB in one buffer, which the
@@ -269,6 +271,7 @@ def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
         compiled_lib.choose_update_sharding(config, devices, log=lambda _: None)
 
 
+@pytest.mark.slow  # 30-65 s of TPU compiles with a cold cache
 def test_auto_compiles_candidates_on_tpu_and_means_wus_on_cpu(devices):
     config = tiny_config(**{"optimizer.update_sharding": "auto"})
     config.optimizer.auto.update(modes=("wus",), shard_group_sizes=(4,), min_shard_bytes=(4096,))
@@ -378,6 +381,7 @@ def test_groups_on_a_v3_row_get_true_reduce_scatters():
     assert sum(c["bytes"] for c in scatters) >= sharded
 
 
+@pytest.mark.slow  # 30-65 s of TPU compiles with a cold cache
 def test_scanned_layers_keep_the_collectives_per_step_whatever_the_depth():
     """With model.scan_layers, each kind of weight is one stacked tensor: a grouped wus
     step on v3:4x4 (groups of 16, two rows) reduce-scatters and gathers each once,
@@ -422,6 +426,7 @@ def test_scanned_layers_keep_the_collectives_per_step_whatever_the_depth():
     assert leaves == 2 * 16 + 1 and per_layer["reduce-scatter"] > 2 * stacks - 4
 
 
+@pytest.mark.slow  # 30-65 s of TPU compiles with a cold cache
 def test_only_a_slices_share_of_each_gradient_crosses_the_dcn():
     """Two v3:2x2 slices (8 cores each), groups of 4: what crosses the data-center
     network, read from the compiled program (libtpu's megascale sends), is each

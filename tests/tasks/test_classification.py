@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from configs import resnet50_1024
 from trainer.training import train as train_lib
 
 
+@pytest.mark.slow  # 45 s: a ResNet trained to learn
 def test_tiny_resnet_learns(tmp_path):
     # resnet50_16:tiny is this run with BatchNorm over the whole batch; this one also
     # groups BatchNorm statistics (bn_group_size=2), so it covers both configs' code.
