@@ -210,3 +210,17 @@ def without_compilation_cache():
     was = set_compilation_cache(False)
     yield
     set_compilation_cache(was)
+
+
+def tpu_devices(topology: str, *, num_slices: int = 1) -> list:
+    """libtpu's devices of ``topology``; skips the test where libtpu is not installed
+    (the ``[tpu]`` extra), and fails on any other error (a wrong topology name)."""
+    from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
+    from trainer.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        return compiled_lib.topology_devices(topology, num_slices=num_slices)
+    except ConfigError as e:
+        if "needs libtpu" in str(e):
+            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
+        raise

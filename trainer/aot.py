@@ -115,6 +115,9 @@ def report(results: dict[str, dict]) -> None:
                 f"  DCN: {what} per step; each host ({r['devices_per_host']} devices) sends "
                 f"{_mib(r['dcn_bytes_per_host_per_step'])}{assumed}"
             )
+            unprinted = sorted({a for t in r["dcn_transfers"] for a in t["assumed"]})
+            if unprinted:  # fields a send did not print: what stands in for them
+                print(f"  DCN, assumed: {'; '.join(unprinted)}")
         source = "XLA roofline" if r["compute_source"] == "xla" else "published roofline"
         print(f"  compute, {source:<19} {r['est_compute_s'] * 1e3:8.2f} ms")
         for assumption, e in r["est_step_time_s"]["by_assumption"].items():

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     config = run_flags.config_value()
     if sys.stdin is None:
         cli.fail("stdin is closed: give the sentences on it, one a line (... < sentences.txt)")
-    with cli.clear_errors():
+    with cli.clear_errors():  # before stdin is read: a wrong --workdir fails at once
         decoding.require_translation_run(config)
     beam = config.eval_beam_size if _BEAM_SIZE.value is None else _BEAM_SIZE.value
     lines, unreadable = decoding.read_lines(sys.stdin.buffer.read())

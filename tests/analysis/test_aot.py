@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, set_compilation_cache
+from conftest import REPO, set_compilation_cache, tpu_devices
 
 from configs import transformer_1024
 from trainer.analysis import compiled as compiled_lib
@@ -36,12 +36,7 @@ def _without_compilation_cache():
 
 @pytest.fixture(scope="module")
 def devices():
-    try:
-        return compiled_lib.topology_devices(TOPOLOGY)
-    except ConfigError as e:
-        if "needs libtpu" in str(e):
-            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
-        raise
+    return tpu_devices(TOPOLOGY)
 
 
 def tiny_config(**overrides):
@@ -345,10 +340,7 @@ def test_groups_on_a_v3_row_get_true_reduce_scatters():
     stored layouts' size-1 leading dims before the reduce-scatter, the attention
     output projections (8 heads over 16 shards: merged, [1, 1024, 1024] scattered on
     dim 1) are all-reduced whole."""
-    try:
-        devices = compiled_lib.topology_devices("v3:4x4")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot load here: {e}")
+    devices = tpu_devices("v3:4x4")
     config = tiny_config(
         **{
             "model.emb_dim": 1024,
@@ -386,10 +378,7 @@ def test_scanned_layers_keep_the_collectives_per_step_whatever_the_depth():
     """With model.scan_layers, each kind of weight is one stacked tensor: a grouped wus
     step on v3:4x4 (groups of 16, two rows) reduce-scatters and gathers each once,
     however many layers the stacks hold; one module per layer runs one per layer."""
-    try:
-        devices = compiled_lib.topology_devices("v3:4x4")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot load here: {e}")
+    devices = tpu_devices("v3:4x4")
 
     def group_collectives(layers, scan):
         config = tiny_config(
@@ -434,10 +423,7 @@ def test_only_a_slices_share_of_each_gradient_crosses_the_dcn():
     `wus` - the compiler splits the all-reduce over both slices into an ICI
     reduce-scatter, a DCN all-reduce of the slice's shard and an ICI all-gather (the
     MLPerf multipod order). No full-size gradient crosses."""
-    try:
-        devices = compiled_lib.topology_devices(TOPOLOGY, num_slices=2)
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot load here: {e}")
+    devices = tpu_devices(TOPOLOGY, num_slices=2)
     config = tiny_config(
         **{
             "model.emb_dim": 512,
@@ -460,6 +446,7 @@ def test_only_a_slices_share_of_each_gradient_crosses_the_dcn():
         assert r["num_slices"] == 2 and r["devices_per_host"] == 8
         sent = [t for t in r["dcn_transfers"] if t["per_step"]]
         assert {t["kind"] for t in sent} == {"ALL_REDUCE"} and all(t["slices"] == 2 for t in sent)
+        assert not any(t["assumed"] for t in r["dcn_transfers"])  # every field as printed
         assert per_device <= sum(t["bytes"] for t in sent) <= 1.05 * per_device, mode
         assert max(t["bytes"] for t in sent) <= 1.05 * 4 * max(sizes) / 8, mode
         # Over 2 slices each device puts its share on the DCN once (2 x 1/2 of it); what

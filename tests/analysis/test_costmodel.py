@@ -411,3 +411,33 @@ ENTRY %main (x: f32[512,512], s: bf16[64,1024], w: bf16[512,1024]) -> f32[512,51
     windows = schedule.window_bytes(text, found)
     assert windows["ags"] == 2 * 512 * 512 * 4  # the fusion between: its operand, its result
     assert windows["ag"] == 512 * 512 * 2 + 64 * 1024 * 2 + 512 * 1024 * 2  # the kernel's
+
+
+def _send(attributes: str) -> str:
+    # A megascale send as libtpu 0.0.42.1 prints it (v5e:16x16 x 2), attributes varied.
+    return (
+        "  %send.67 = (f32[1024,256]{1,0}, u32[], token[]) send(%all-reduce.506, "
+        "%after-all.68), channel_id=3, is_host_transfer=true, frontend_attributes={"
+        '_xla_host_transfer_handler_name="xla_megascale_runtime",' + attributes + "}"
+    )
+
+
+def test_dcn_sends_say_which_fields_they_did_not_print():
+    printed = _send(
+        '_xla_megascale_target="{1,2,3}x{0:255}",_xla_megascale_transfer_type="ALL_REDUCE"'
+    )
+    bare = _send('_xla_megascale_reduce_operation="SUM"')
+    text = "ENTRY %main () -> f32[] {\n" + printed + "\n" + bare + "\n}\n"
+    full, missing = hlo.dcn_transfers(text, num_slices=4)
+    assert (full.kind, full.bytes, full.slices, full.assumed) == (
+        "ALL_REDUCE",
+        1024 * 256 * 4,
+        3,
+        (),
+    )
+    assert full.wire_bytes == 2 * (2 / 3) * 1024 * 256 * 4  # an all-reduce over 3 slices
+    assert (missing.kind, missing.slices) == ("?", 4)
+    assert missing.assumed == (
+        "kind: not printed",
+        "slices: no target list printed, taken as all 4",
+    )

@@ -6,8 +6,8 @@ import types
 
 import numpy as np
 import pytest
+from conftest import tpu_devices
 
-from trainer.errors import ConfigError
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import torus
 
@@ -105,12 +105,7 @@ def test_cpu_devices_keep_their_order():
 def test_libtpu_topologies_as_the_hardware_is():
     from trainer.analysis import compiled as compiled_lib
 
-    try:
-        pod = compiled_lib.topology_devices("v3:32x32")
-    except ConfigError as e:
-        if "needs libtpu" in str(e):
-            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
-        raise
+    pod = tpu_devices("v3:32x32")
     assert compiled_lib.topology_options("v3:32x32") == {"wrap": [1, 1, 0]}
     assert compiled_lib.topology_options("v3:4x4") == {"wrap": [0, 0, 0]}
     assert compiled_lib.topology_options("v5p:4x4x8_twisted") == {"wrap": [1, 1, 1]}
@@ -164,14 +159,8 @@ def test_groups_stay_in_a_slice_on_its_rings_and_replicas_cross_slices_last():
 
 
 def test_libtpu_multislice_topologies_keep_groups_inside_slices():
-    from trainer.analysis import compiled as compiled_lib
 
-    try:
-        devices = compiled_lib.topology_devices("v5e:16x16", num_slices=2)
-    except ConfigError as e:
-        if "needs libtpu" in str(e):
-            pytest.skip(f"libtpu cannot load here (pip install -e '.[tpu]'): {e}")
-        raise
+    devices = tpu_devices("v5e:16x16", num_slices=2)
     assert len(devices) == 512 and {d.slice_index for d in devices} == {0, 1}
     mesh = mesh_lib.make_mesh({"data": -1}, {"data": 2}, shard_group_size=16, devices=devices)
     assert dict(mesh.shape) == {"replica": 32, "data": 16}

@@ -52,12 +52,11 @@ def bench_mode(
     def per_device(tree) -> int:
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
+    num_slices = math.prod(config.mesh.dcn_axes.values())
     result = {
         "state_bytes_per_device": per_device((state.params, state.opt_state)),
-        "plan": [
-            list(map(str, row)) for row in exp.plan.table(math.prod(config.mesh.dcn_axes.values()))
-        ],
-        "groups": mesh_lib.describe_groups(exp.mesh),
+        "plan": [list(map(str, row)) for row in exp.plan.table(num_slices)],
+        "groups": mesh_lib.describe_groups(exp.mesh, num_slices),
     }
     for i, k in enumerate(loop_lengths):
         stacked, _ = feed.next(k)

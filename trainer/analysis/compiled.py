@@ -136,13 +136,13 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
     cost, twin_s = _per_step_cost(compiled, config, devices)
     text = compiled.as_text()
-    mesh_devices = list(exp.mesh.devices.flat)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
-    first = getattr(mesh_devices[0], "slice_index", 0)
-    slice_devices = [d for d in mesh_devices if getattr(d, "slice_index", 0) == first]
+    num_slices = math.prod(config.mesh.dcn_axes.values())
+    slice_devices = mesh_lib.slices(list(exp.mesh.devices.flat), num_slices)[0]
     found = hlo.collectives(text, len(slice_devices))
-    dcn = hlo.dcn_transfers(text)
+    dcn = hlo.dcn_transfers(text, num_slices)
+    has_loop = " while(" in text  # the K-step loop (a program of one step has none)
     topo = costmodel.Topology.from_devices(accelerator, slice_devices)
     cores = topo.cores_per_chip
     per_host = sum(d.process_index == slice_devices[0].process_index for d in slice_devices)
@@ -161,14 +161,13 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
             collectives=found,
             topo=topo,
             steps_per_loop=k,
-            has_loop=" while(" in text,
+            has_loop=has_loop,
             assumption=name,
             windows_s=windows,
             dcn=dcn,
         )
         for name in costmodel.ASSUMPTIONS
     }
-    num_slices = len({getattr(d, "slice_index", 0) for d in mesh_devices})
     estimate, _ = estimates[costmodel.COMPILER]
     capacity = accelerator.hbm_bytes(cores)
     return {
@@ -176,7 +175,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "shard_group_size": config.optimizer.shard_group_size,
         "min_shard_bytes": config.optimizer.min_shard_bytes,
         "device_kind": devices[0].device_kind,
-        "num_devices": len(mesh_devices),
+        "num_devices": exp.mesh.devices.size,
         "num_slices": num_slices,
         "groups": mesh_lib.describe_groups(exp.mesh, num_slices),
         "steps_per_loop": k,
@@ -207,7 +206,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                 "both_ways": costmodel.reading(c).both_ways,
                 "bytes_factor": costmodel.reading(c).bytes_factor,
                 "reading": costmodel.reading(c).note,
-                "per_step": c.in_loop or " while(" not in text,
+                "per_step": c.in_loop or not has_loop,
                 "est_seconds_per_step": estimates[costmodel.COMPILER][1][i],
                 # What the schedule runs while an asynchronous one is in flight.
                 "overlap_window_s": windows.get(c.name, 0.0) if c.is_async else 0.0,
@@ -224,12 +223,13 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                 "bytes": t.bytes,
                 "wire_bytes": t.wire_bytes,
                 "slices": t.slices,
-                "per_step": t.in_loop or " while(" not in text,
+                "per_step": t.in_loop or not has_loop,
+                "assumed": list(t.assumed),
             }
             for t in dcn
         ],
         "dcn_bytes_per_host_per_step": per_host
-        * sum(t.wire_bytes * (1 if t.in_loop or " while(" not in text else 1 / k) for t in dcn),
+        * sum(t.wire_bytes * (1 if t.in_loop or not has_loop else 1 / k) for t in dcn),
         "devices_per_host": per_host,
         "dcn_bandwidth_assumed": accelerator.dcn_assumed,
         # The compiler-literal estimate, and every assumption's (trainer/analysis/costmodel.py).

@@ -447,6 +447,8 @@ class DcnTransfer:
     slices: int
     in_loop: bool
     name: str = ""
+    # The fields the send did not print, and what stands in for them.
+    assumed: tuple[str, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
@@ -456,8 +458,15 @@ class DcnTransfer:
         return (2 if self.kind == "ALL_REDUCE" else 1) * share * self.bytes
 
 
-def dcn_transfers(hlo_text: str) -> list[DcnTransfer]:
-    """The transfers of a compiled multi-slice TPU program that cross slices."""
+def dcn_transfers(hlo_text: str, num_slices: int) -> list[DcnTransfer]:
+    """The transfers of a compiled multi-slice TPU program that cross slices.
+
+    Each send names its kind (``_xla_megascale_transfer_type``) and the slices it
+    reaches (``_xla_megascale_target="{0,1}"``). Where one is missing or written
+    otherwise, the transfer says so in ``assumed``: its slices are then the
+    program's ``num_slices``, an unknown kind counts as one pass over the buffer,
+    and a send without an operand shape as 0 bytes.
+    """
     bodies = computations(hlo_text)
     depth = _loop_depths(bodies)
     found = []
@@ -469,13 +478,21 @@ def dcn_transfers(hlo_text: str) -> list[DcnTransfer]:
             kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
             target = re.search(r'_xla_megascale_target="\{([\d,]*)\}', line)
             data = _SHAPE.findall(ins.type_text)[:1]  # (operand, u32, token)
+            assumed = []
+            if not kind:
+                assumed.append("kind: not printed")
+            if not target:
+                assumed.append(f"slices: no target list printed, taken as all {num_slices}")
+            if not data:
+                assumed.append("bytes: no operand shape printed, taken as 0")
             found.append(
                 DcnTransfer(
                     kind=kind.group(1) if kind else "?",
                     bytes=shape_bytes("{}[{}]".format(*data[0])) if data else 0,
-                    slices=len(_ints(target.group(1))) if target else 2,
+                    slices=len(_ints(target.group(1))) if target else num_slices,
                     in_loop=depth[name] > 0,
                     name=ins.name,
+                    assumed=tuple(assumed),
                 )
             )
     return found

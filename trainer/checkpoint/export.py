@@ -70,7 +70,7 @@ def export(
     saver = ocp.StandardCheckpointer()
     saver.save(destination, params)
     saver.wait_until_finished()
-    storage.write_atomically(destination / "config.json", config.to_json_best_effort(indent=2))
+    storage.write_atomically(destination / run_config.FILE, config.to_json_best_effort(indent=2))
     vocab = directory / VOCAB_FILE
     if vocab.exists():
         storage.write_atomically(destination / VOCAB_FILE, vocab.read_bytes())

@@ -24,7 +24,7 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 import tqdm
@@ -186,13 +186,7 @@ class StepLine:
             leave=False,
             smoothing=0.3,  # a loop after an evaluation weighs less than the recent ones
         )
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(1.0):
-            self._bar.refresh()
+        self._ticker = _Ticker(1.0, self._bar.refresh)
 
     def update(self, step: int) -> None:
         """The run has reached ``step``."""
@@ -203,8 +197,7 @@ class StepLine:
     def close(self) -> None:
         """Removes the line."""
         if self._bar is not None:
-            self._stopped.set()
-            self._thread.join()
+            self._ticker.stop()
             self._bar.close()
             self._bar = None
 
@@ -231,7 +224,7 @@ def phase(what: str, *, done: str = "done") -> Iterator[Phase]:
     else:
         say(f"{what} ...")
         if _settings.enabled:
-            ticker = _Heartbeat(what)
+            ticker = _heartbeat(what)
     try:
         yield record
     finally:
@@ -242,24 +235,31 @@ def phase(what: str, *, done: str = "done") -> Iterator[Phase]:
             say(f"{what}: {done} in {duration(record.seconds)}")
 
 
-class _Heartbeat:
-    """Plain output's sign of life in a long phase: ``what ... 20s`` every
-    :data:`PLAIN_EVERY_S` seconds until :meth:`stop`."""
+class _Ticker:
+    """Calls ``action`` every ``seconds`` in a thread, until :meth:`stop` (the redraws
+    of bars and clocks, the plain heartbeat of a phase)."""
 
-    def __init__(self, what: str):
-        self._what = what
-        self._start = time.perf_counter()
+    def __init__(self, seconds: float, action: Callable[[], None]):
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(seconds, action), daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stopped.wait(PLAIN_EVERY_S):
-            say(f"{self._what} ... {duration(time.perf_counter() - self._start)}")
+    def _run(self, seconds: float, action: Callable[[], None]) -> None:
+        while not self._stopped.wait(seconds):
+            action()
 
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join()
+
+
+def _heartbeat(what: str) -> _Ticker:
+    """Plain output's sign of life in a long phase: ``what ... 20s`` every
+    :data:`PLAIN_EVERY_S` seconds."""
+    start = time.perf_counter()
+    return _Ticker(
+        PLAIN_EVERY_S, lambda: say(f"{what} ... {duration(time.perf_counter() - start)}")
+    )
 
 
 class _Clock:
@@ -269,16 +269,9 @@ class _Clock:
         self._bar = tqdm.tqdm(
             total=None, desc=f"{what} ...", bar_format="{desc} {elapsed}", file=_stream()
         )
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(_TICK_S):
-            self._bar.refresh()
+        self._ticker = _Ticker(_TICK_S, self._bar.refresh)
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
+        self._ticker.stop()
         self._bar.leave = False  # the closing line replaces the clock
         self._bar.close()

@@ -210,14 +210,12 @@ def describe_groups(mesh: Mesh, num_slices: int = 1) -> str:
     if num_slices == 1:
         return torus.describe_groups(mesh.devices, axis, devices)
 
-    def key(d):
-        return getattr(d, "slice_index", 0) if d.platform == "tpu" else d.process_index
-
-    first = key(devices[0])
-    one = np.moveaxis(mesh.devices, axis, -1)
-    one = one.reshape(-1, one.shape[-1])
-    in_slice = np.asarray([row for row in one if key(row[0]) == first])
-    text = torus.describe_groups(in_slice, 1, [d for d in devices if key(d) == first])
+    first = slices(devices, num_slices)[0]
+    members = set(first)
+    rows = np.moveaxis(mesh.devices, axis, -1)
+    rows = rows.reshape(-1, rows.shape[-1])
+    in_slice = np.asarray([row for row in rows if row[0] in members])
+    text = torus.describe_groups(in_slice, 1, first)
     what = "slices" if devices[0].platform == "tpu" else "processes standing in for slices"
     return f"{text}; in each of {num_slices} {what} (DCN between them)"
 

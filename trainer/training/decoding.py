@@ -42,9 +42,8 @@ from trainer.training import evaluation
 from trainer.training import experiment as experiment_lib
 from trainer.workdir import run_config, storage
 
-# An export (trainer/checkpoint/export.py) keeps the run's config and vocabulary
-# beside the parameters, under these names.
-EXPORT_CONFIG_FILE = "config.json"
+# An export (trainer/checkpoint/export.py) keeps the run's config (run_config.FILE)
+# and vocabulary beside the parameters.
 _ORBAX_MARKER = "_CHECKPOINT_METADATA"  # in every checkpoint Orbax wrote whole
 
 
@@ -101,7 +100,7 @@ def require_translation_run(config) -> None:
 def is_export(path: str) -> bool:
     """Whether ``path`` is an export (parameters and config), not a work directory."""
     directory = storage.path(path)
-    return (directory / _ORBAX_MARKER).exists() and (directory / EXPORT_CONFIG_FILE).exists()
+    return (directory / _ORBAX_MARKER).exists() and (directory / run_config.FILE).exists()
 
 
 class Translator:
@@ -321,7 +320,7 @@ def _log_probs(model, params, inputs, targets) -> jax.Array:
 
 
 def _export_config(path: str) -> ml_collections.ConfigDict:
-    file = storage.path(path) / EXPORT_CONFIG_FILE
+    file = storage.path(path) / run_config.FILE
     try:
         return run_config.from_json(file.read_text())
     except ValueError as e:

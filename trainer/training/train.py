@@ -33,7 +33,7 @@ from trainer.reporting import tracking
 from trainer.training import evaluation, init_from, profiling, stopping
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
-from trainer.workdir import storage
+from trainer.workdir import run_config, storage
 
 
 class NonFiniteLossError(UserError):
@@ -189,7 +189,7 @@ def _train(
     # The config is accepted: record it, and drop metrics rows after the
     # restored step (a run that died after logging them wrote them).
     if lead:
-        storage.write_atomically(directory / "config.json", config.to_json_best_effort(indent=2))
+        storage.write_atomically(directory / run_config.FILE, config.to_json_best_effort(indent=2))
         for name, content in exp.task.run_files.items():
             if not (kept := directory / name).exists() or kept.read_bytes() != content:
                 storage.write_atomically(kept, content)

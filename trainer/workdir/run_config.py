@@ -70,6 +70,10 @@ def _saved_with_checkpoint(workdir: str) -> tuple[int, ml_collections.ConfigDict
     return None
 
 
+# A run's config, and an export's, as written beside its checkpoints or parameters.
+FILE = "config.json"
+
+
 def load(workdir: str, *, warn: bool = True) -> ml_collections.ConfigDict:
     """The config of the run in ``workdir``: its ``config.json``, or, if that is
     damaged (cut short, not JSON), the copy saved with its newest checkpoint (said
@@ -79,7 +83,7 @@ def load(workdir: str, *, warn: bool = True) -> ml_collections.ConfigDict:
       FileNotFoundError: if ``workdir`` holds no ``config.json``.
       UserError: if it is damaged and no checkpoint holds a copy.
     """
-    path = storage.path(workdir) / "config.json"
+    path = storage.path(workdir) / FILE
     text = path.read_bytes()
     try:
         return from_json(text.decode("utf-8"))
