@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from models.kv_cache import update_kv_cache
+from models.layers import Embedding, LayerNorm, attention, named
 from models.packed_sequences import attention_mask, shift_right, sinusoidal_embedding
 from models.remat import remat_layer
 
@@ -61,15 +62,11 @@ class TransformerConfig:
     # axis "layers"), instead of one module per layer: the step then has one gradient,
     # one gather and one reduction per kind of weight rather than per layer, and
     # compiles once per stack. Checkpoints convert between the two layouts
-    # (trainer/checkpoint/relayout.py: `encoder_layers_3/...` is `encoder_layers/...`[3]).
+    # (models/stacking.py: `encoder_layers_3/...` is `encoder_layers/...`[3]).
     scan_layers: bool = False
     # Layers per iteration of those scans (>= the stack's depth: no loop at all).
     scan_unroll: int = 1
     decode: bool = False
-
-
-def _named(init: Any, *names: str) -> Any:
-    return nn.with_logical_partitioning(init, names)
 
 
 def _dense(cfg: TransformerConfig, features: int, names: tuple[str, str], name: str) -> nn.Dense:
@@ -78,53 +75,10 @@ def _dense(cfg: TransformerConfig, features: int, names: tuple[str, str], name: 
         features,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
-        kernel_init=_named(nn.initializers.xavier_uniform(), *names),
-        bias_init=_named(nn.initializers.zeros, names[-1]),
+        kernel_init=named(nn.initializers.xavier_uniform(), *names),
+        bias_init=named(nn.initializers.zeros, names[-1]),
         name=name,
     )
-
-
-class Embedding(nn.Module):
-    """Token table ("vocab", "embed") that also produces logits through its transpose."""
-
-    num_embeddings: int
-    features: int
-    dtype: Any
-    param_dtype: Any
-
-    def setup(self) -> None:
-        # Std features^-1/2 puts the tied logits at unit scale; inputs get * sqrt(features).
-        init = nn.initializers.normal(stddev=self.features**-0.5)
-        shape = (self.num_embeddings, self.features)
-        self.embedding = self.param(
-            "embedding", _named(init, "vocab", "embed"), shape, self.param_dtype
-        )
-
-    def __call__(self, ids: Array) -> Array:
-        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
-
-    def attend(self, x: Array) -> Array:
-        """x @ table^T: bf16 operands, float32 result so logits are never rounded to bf16."""
-        table = self.embedding.astype(self.dtype)
-        return jnp.einsum("ble,ve->blv", x, table, preferred_element_type=jnp.float32)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with statistics and affine transform in float32, output in `dtype`."""
-
-    dtype: Any
-    param_dtype: Any
-    epsilon: float = 1e-6
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        shape = (x.shape[-1],)
-        scale = self.param("scale", _named(nn.initializers.ones, "embed"), shape, self.param_dtype)
-        bias = self.param("bias", _named(nn.initializers.zeros, "embed"), shape, self.param_dtype)
-        x = x.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + self.epsilon)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -143,7 +97,7 @@ class MultiHeadAttention(nn.Module):
         def kernel(name: str, shape: tuple[int, ...], names: tuple[str, ...], fan_in: Any):
             fan_out = tuple(i for i in range(3) if i not in fan_in)
             init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", fan_in, fan_out)
-            w = self.param(name, _named(init, *names), shape, cfg.param_dtype)
+            w = self.param(name, named(init, *names), shape, cfg.param_dtype)
             return w.astype(cfg.dtype)
 
         # [heads, head_dim, embed], the contracted embed dim minor, like the output
@@ -161,15 +115,12 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (nn.with_logical_constraint(t, _HEADS_ACT) for t in (q, k, v))
         if self.cache:
             k, v, mask = update_kv_cache(self, k, v, mask)
-        q = q * jnp.asarray(head_dim**-0.5, cfg.dtype)
-        # Scores and softmax in float32. [batch, heads, q_len, k_len]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        if mask is not None:
-            # A finite minimum keeps fully masked rows (padding queries) NaN-free.
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-        probs = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)(probs)
-        out = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", probs, v), _HEADS_ACT)
+        dropout = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)
+        # One query head per key head; masks [batch, 1, q_len, k_len] gain the group dim.
+        out = attention(
+            q[:, :, :, None], k, v, None if mask is None else mask[:, :, None], cfg.dtype, dropout
+        )[:, :, :, 0]
+        out = nn.with_logical_constraint(out, _HEADS_ACT)
         w_out = kernel(
             "out", (cfg.num_heads, head_dim, cfg.emb_dim), ("heads", "kv", "embed"), (0, 1)
         )

@@ -6,7 +6,7 @@ First one uninterrupted run of the tiny Transformer (the reference). Then, in
 one work directory, runs that are each stopped at random: an external SIGKILL,
 SIGTERM, Ctrl-C or Ctrl-C twice after a random delay, or an injected fault at a
 random pass through a random point (``WUS_FAULT``: compile, loop, mid-save,
-eval; kill, term, int, int2 or a full disk; see trainer/command/faults.py). Every run
+eval; kill, term, int, int2 or a full disk; see trainer/faults.py). Every run
 resumes what the previous left. After each run the script checks: no traceback,
 at most one ``error:`` line per process, the exit code the stop implies, only
 complete checkpoints listed, and the newest one the run names is the newest

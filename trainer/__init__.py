@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.training.decoding import Translator
+    from trainer.inference.translator import Translator
 
 __all__ = ["Translator"]
 
@@ -23,7 +23,7 @@ def __getattr__(name: str):
     # Imported on first use: every command starts from this package, and most of
     # them (their --help first) should not pay for importing JAX and Flax.
     if name == "Translator":
-        from trainer.training.decoding import Translator  # noqa: PLC0415
+        from trainer.inference.translator import Translator  # noqa: PLC0415
 
         return Translator
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Trains the config's model in DIR: metrics.jsonl, TensorBoard events, checkpoints
 and, at the end, summary.json. Run it again with the same DIR to resume from the
 newest checkpoint. ``--config.a.b=value`` overrides one key of the config,
-``python -m trainer --list-configs`` lists the configs and their variants, and
+``python -m trainer --list_configs`` lists the configs and their variants, and
 ``--print_config`` prints every key of a config with what it does.
 
 SIGTERM and Ctrl-C save and stop the run (exit 0 after SIGTERM, 130 after
@@ -32,8 +32,9 @@ if __name__ == "__main__":
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from trainer.command import cli, console, process, signals  # noqa: E402
-from trainer.workdir import storage  # noqa: E402
+from trainer import console  # noqa: E402
+from trainer.command import cli, process, signals  # noqa: E402
+from trainer.workdir import run_config, storage  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _WORKDIR = flags.DEFINE_string(
@@ -57,7 +58,10 @@ _PRINT_CONFIG = flags.DEFINE_bool(
     "Print every key of --config with its value, the file's default and what it does, and exit.",
 )
 _HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout", 100, "Seconds after which a silent process is taken for dead."
+    "heartbeat_timeout",
+    60,
+    "Seconds after which a process of the job that stopped answering (frozen, or its host "
+    "gone) is taken for lost: the others stop in one line. JAX's own timeout is twice this.",
 )
 flags.mark_flags_as_required(["config"])
 
@@ -68,7 +72,7 @@ def main(argv: list[str]) -> None:
         from trainer.command import config_docs  # noqa: PLC0415
 
         (source,) = cli.config_files(sys.argv)[-1:]
-        defaults = cli.flat_config(cli.load_config(source.partition(":")[0]))
+        defaults = run_config.flat_config(cli.load_config(source.partition(":")[0]))
         sys.stdout.write(config_docs.render(_CONFIG.value, defaults, source))
         return
     if _WORKDIR.value is None:

@@ -36,7 +36,8 @@ import math
 from absl import flags
 from ml_collections import config_flags
 
-from trainer.command import cli, console, process
+from trainer import console
+from trainer.command import cli, process
 from trainer.parallel.plan import MODES
 from trainer.workdir import storage
 

@@ -3,10 +3,13 @@
 Compiles and times the training loop of config ``C`` once per update-sharding
 mode, on the same devices, and prints per mode: step time (median of several
 loops), per-device bytes of weights + optimizer state (from the addressable
-shards), per-device argument and temp bytes (``compiled.memory_analysis()``),
+shards), per-device argument and temp bytes (``compiled.memory_analysis()``) and
 collective bytes per step by kind and dtype (from the HLO after SPMD
-partitioning), and the per-parameter sharding plan. Takes the trainer's
-``--config.x=y`` overrides and ``--cpu_devices``.
+partitioning). Takes the trainer's ``--config.x=y`` overrides and ``--cpu_devices``.
+
+``--plan`` prints only the per-parameter sharding plan of every mode (a column per
+mode: layout, padding, gather dtype; the parameter names ``init_from_skip`` takes),
+in seconds: nothing is compiled or timed.
 
 ``--steps_per_loop 1,8`` times several loop lengths in the same run;
 ``--measure_peak`` measures this machine's matmul peak for MFU; ``--plot FILE.png``
@@ -15,7 +18,7 @@ of every mode side by side. Each mode says one line as soon as it is timed; the
 details, the sharding plan (a column per mode) and the ratios follow.
 
 Example:
-python -m trainer.bench --config configs/transformer_1024.py:tiny --cpu_devices 8 --plan=false
+python -m trainer.bench --config configs/transformer_1024.py:tiny --cpu_devices 8 --modes none,wus
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
-from trainer.command import cli, console, process
+from trainer import console
+from trainer.command import cli, process
 from trainer.parallel.hardware import measure_matmul_peak
 from trainer.parallel.plan import MODES
 from trainer.workdir import storage
@@ -40,7 +44,9 @@ _STEPS_PER_LOOP = flags.DEFINE_list(
 _MEASURE_PEAK = flags.DEFINE_bool(
     "measure_peak", False, "Measure the devices' matmul peak and report MFU against it."
 )
-_PLAN = flags.DEFINE_bool("plan", True, "Print the per-parameter sharding plan.")
+_PLAN = flags.DEFINE_bool(
+    "plan", False, "Only print each mode's per-parameter sharding plan (no compile, no timing)."
+)
 _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Also time async vs sync checkpoint saves of each mode's state here."
 )
@@ -89,8 +95,6 @@ def report(results: dict, peak: float, measured: bool) -> None:
             on_disk, state = _mib(c["disk_bytes"]), _mib(c["state_bytes"])
             print(f"  checkpoint on disk {on_disk} for {state} of state")
         print(f"  {r['groups']}")
-    if _PLAN.value:
-        print(plan_table(results))
     if peak:
         source = (
             "measured at this run's start" if measured else "the device kind's, or the config's"
@@ -162,6 +166,13 @@ def main(argv: list[str]) -> None:
     from trainer.analysis import benchmark  # noqa: PLC0415  (imports JAX, Flax, Orbax)
     from trainer.parallel import hardware  # noqa: PLC0415  (after setup)
 
+    if _PLAN.value:
+        with cli.clear_errors():
+            plans = {mode: benchmark.plan_mode(config, mode) for mode in _MODES.value}
+        for mode, plan in plans.items():
+            print(f"{mode}: {plan['groups']}")
+        print(plan_table(plans))
+        return
     with cli.clear_errors():
         if _MEASURE_PEAK.value:
             with console.phase("measuring this machine's matmul peak"):

@@ -6,7 +6,6 @@ that base alone (:func:`trainer.command.cli.clear_errors`).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 
@@ -24,15 +23,6 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """The config asks for something that cannot run; the message says what."""
-
-
-def warn(message: str) -> None:
-    """Tells the user about something that did not stop the run: one ``warning:`` line
-    on stderr, from process 0 only (every warning of the project goes through here)."""
-    jax = sys.modules.get("jax")  # not imported here: this module stays light
-    if jax is not None and jax.process_index() != 0:
-        return
-    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
 
 
 def floating_dtype(value: Any, key: str) -> Any:

@@ -19,7 +19,7 @@ import sys
 
 from absl import flags
 
-from trainer import errors
+from trainer import console
 from trainer.command import cli, process, run_flags
 from trainer.workdir import storage
 
@@ -38,7 +38,10 @@ def main(argv: list[str]) -> None:
 
     config = run_flags.config_value()
     with cli.clear_errors():
-        step, metrics = evaluation.evaluate_checkpoint(config, _WORKDIR.value, step=_STEP.value)
+        step, result = evaluation.evaluate_checkpoint(config, _WORKDIR.value, step=_STEP.value)
+    metrics = result.metrics
+    for sample in result.samples:
+        console.say(f"  sample: {sample}")
     if jax.process_index() == 0:
         # The result first: recording it may fail (a read-only run directory).
         print(" | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]))
@@ -48,7 +51,7 @@ def main(argv: list[str]) -> None:
         try:
             evaluation.record_result(_WORKDIR.value, step, metrics, overrides)
         except OSError as e:
-            errors.warn(
+            console.warn(
                 f"could not record the result in {directory / 'eval.jsonl'} "
                 f"({storage.explain(e)}); it is only in the line above"
             )
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> None:
             evaluation.record_events(_WORKDIR.value, step, metrics)
         except OSError as e:
             events = directory / evaluation.EVENTS_SUBDIR
-            errors.warn(
+            console.warn(
                 f"could not write the TensorBoard events into {events} ({storage.explain(e)}); "
                 "the result is in eval.jsonl and the line above"
             )

@@ -2,7 +2,7 @@
 [--scan_layers true|false]``.
 
 Writes only the model parameters of a training checkpoint, in their logical
-shapes, as a plain Orbax checkpoint (:mod:`trainer.checkpoint.export`). Another
+shapes, as a plain Orbax checkpoint (:mod:`trainer.inference.export`). Another
 run starts from them with ``--config.init_from=PATH`` (a run with the other
 ``model.scan_layers`` too: init_from converts). ``--scan_layers`` writes a
 Transformer's layers stacked or one module per layer, whichever way it trained.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from absl import flags
 
+from trainer import console
 from trainer.command import cli, process
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
@@ -34,13 +35,14 @@ flags.mark_flags_as_required(["workdir", "out"])
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
     process.setup()
-    from trainer.checkpoint import export  # noqa: PLC0415  (imports JAX, Orbax)
+    from trainer.inference import export  # noqa: PLC0415  (imports JAX, Orbax)
 
     with cli.clear_errors():
         scan = {"as_trained": None, "true": True, "false": False}[_SCAN_LAYERS.value]
-        step = export.export(
-            _WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value, scan_layers=scan
-        )
+        with console.phase(f"exporting the parameters of {_WORKDIR.value} to {_OUT.value}"):
+            step, _ = export.export(
+                _WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value, scan_layers=scan
+            )
     print(f"exported the {_DTYPE.value} params of step {step} to {_OUT.value}")
 
 

@@ -26,7 +26,7 @@ import sys
 
 from absl import flags
 
-from trainer import errors
+from trainer import console
 from trainer.command import cli, process, run_flags
 
 _MAX_LINE_WARNINGS = 10  # then a count
@@ -49,17 +49,17 @@ def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
     # stdout is the translations'; what it is doing goes to stderr.
     process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
-    from trainer.training import decoding  # noqa: PLC0415  (imports JAX, Flax, Orbax)
+    from trainer.inference import translator  # noqa: PLC0415  (imports JAX, Flax, Orbax)
 
     config = run_flags.config_value()
     if sys.stdin is None:
         cli.fail("stdin is closed: give the sentences on it, one a line (... < sentences.txt)")
     with cli.clear_errors():  # before stdin is read: a wrong --workdir fails at once
-        decoding.require_translation_run(config)
+        translator.require_translation_run(config)
     beam = config.eval_beam_size if _BEAM_SIZE.value is None else _BEAM_SIZE.value
-    lines, unreadable = decoding.read_lines(sys.stdin.buffer.read())
+    lines, unreadable = translator.read_lines(sys.stdin.buffer.read())
     with cli.clear_errors():
-        model = decoding.Translator.load(_WORKDIR.value, step=_STEP.value, config=config)
+        model = translator.Translator.load(_WORKDIR.value, step=_STEP.value, config=config)
         out, report = model.translate_with_report(
             [line or "" for line in lines],
             beam_size=beam,
@@ -70,9 +70,9 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
     problems = sorted([*unreadable, *report.skipped])
     for i, why in problems[:_MAX_LINE_WARNINGS]:
-        errors.warn(f"input line {i + 1} {why}: its translation is left empty")
+        console.warn(f"input line {i + 1} {why}: its translation is left empty")
     if len(problems) > _MAX_LINE_WARNINGS:
-        errors.warn(f"{len(problems) - _MAX_LINE_WARNINGS} more input lines left empty")
+        console.warn(f"{len(problems) - _MAX_LINE_WARNINGS} more input lines left empty")
     rate = report.sentences / max(report.decode_s, 1e-9)
     print(
         f"translated {report.sentences} sentences with checkpoint {report.step} of "

@@ -221,10 +221,10 @@ def test_sigkill_during_save_leaves_only_complete_checkpoints(data_dir, tmp_path
 def test_export_writes_plain_params(data_dir, saved_run, tmp_path):
     import orbax.checkpoint as ocp
 
-    from trainer.checkpoint import export
+    from trainer.inference import export
 
     workdir, final = saved_run
-    assert export.export(workdir, str(tmp_path / "params"), dtype="bfloat16") == 20
+    assert export.export(workdir, str(tmp_path / "params"), dtype="bfloat16")[0] == 20
     params = ocp.StandardCheckpointer().restore(str(tmp_path / "params"))
     assert isinstance(params, dict)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(final), strict=True):

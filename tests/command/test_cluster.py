@@ -48,11 +48,18 @@ def tpu_vm(monkeypatch):
 @pytest.mark.parametrize("what", list(cluster.JAX_PRIVATE))
 def test_the_private_jax_names_it_reads_are_still_there(what):
     """The one place a JAX upgrade can break detection without a public API to warn."""
-    value = cluster._jax_private(what)
+    value = cluster.jax_private(what)
     if what == "cluster types":
         names = {env.__name__ for env in value}
         assert {"SlurmCluster", "OmpiCluster", "GceTpuCluster", "GkeTpuCluster"} <= names
         assert all(callable(env.is_env_present) for env in value)
+    elif what == "distributed runtime client":
+        # None until jax.distributed.initialize; then a client with the key-value store.
+        from jax._src.lib import _jax
+
+        assert value is None
+        for method in ("key_value_set", "key_value_dir_get"):
+            assert callable(getattr(_jax.DistributedRuntimeClient, method))
     else:
         assert isinstance(value, bool)
 
@@ -202,7 +209,8 @@ def test_flags_override_detection(monkeypatch):
 def test_initialize_passes_the_job_on_and_stops_jax_detecting_again(monkeypatch, devices):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    cluster.initialize(cluster.Job("slurm", "gpu003:62674", 16, 11, devices), heartbeat_timeout_s=7)
+    job = cluster.Job("slurm", "gpu003:62674", 16, 11, devices)
+    cluster.initialize(job, heartbeat_timeout_s=7, shutdown_timeout_s=30)
     assert calls == [
         dict(
             coordinator_address="gpu003:62674",
@@ -211,6 +219,7 @@ def test_initialize_passes_the_job_on_and_stops_jax_detecting_again(monkeypatch,
             local_device_ids=None if devices is None else list(devices),
             cluster_detection_method="deactivate",
             heartbeat_timeout_seconds=7,
+            shutdown_timeout_seconds=30,
             initialization_timeout=60,
         )
     ]

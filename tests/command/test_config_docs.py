@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from trainer.command import cli, config_docs
+from trainer.command import config_docs
+from trainer.workdir import run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(
@@ -24,7 +25,7 @@ def test_every_key_of_every_config_and_variant_has_a_doc(name):
     module = importlib.import_module(f"configs.{name}")
     docs = config_docs.key_docs(os.path.join(ROOT, "configs", f"{name}.py"))
     for variant in ["", *getattr(module, "VARIANTS", {})]:
-        keys = cli.flat_config(module.get_config(variant))
+        keys = run_config.flat_config(module.get_config(variant))
         undocumented = [k for k in keys if not config_docs.doc_of(k, docs)]
         assert not undocumented, f"{name}:{variant}: {undocumented}"
 
@@ -90,7 +91,7 @@ def test_print_config_prints_every_key_with_value_default_and_doc(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     module = importlib.import_module("configs.transformer_1024")
-    keys = cli.flat_config(module.get_config("tiny"))
+    keys = run_config.flat_config(module.get_config("tiny"))
     assert lines[0].startswith(f"# {len(keys)} keys of --config configs/transformer_1024.py:tiny")
     assert [line.split(" = ")[0] for line in lines[1:]] == list(keys)
     by_key = {line.split(" = ")[0]: line for line in lines[1:]}

@@ -216,10 +216,16 @@ def saved_steps(workdir):
     return sorted(int(n) for n in names if n.isdigit())
 
 
-def stopped_by_sigterm(proc, target, workdir, after: int):
+def summary(workdir) -> dict:
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def stopped_by_sigterm(proc, target, workdir, after: int, by: str = "SIGTERM"):
     """Sends SIGTERM to ``target()`` (a pid) once ``proc`` has logged step ``after``;
     returns the whole output and the step the job saved, after checking that it
-    stopped before the end, cleanly."""
+    stopped before the end, cleanly, and that ``summary.json`` says it was stopped
+    ``by`` that (the signal, and to which process when not to process 0)."""
     head = wait_for(proc, f"step {after:7d}/24")
     os.kill(target(), signal.SIGTERM)
     out = head + proc.communicate(timeout=300)[0]
@@ -229,7 +235,10 @@ def stopped_by_sigterm(proc, target, workdir, after: int):
     # signal lands before the next loop starts, a later loop boundary otherwise.
     saved = max(saved_steps(workdir))
     assert after <= saved < 24, out[-3000:]
-    assert f"preempted: saved step {saved}; newest complete checkpoint: step {saved}" in out
+    how = "preempted" + (f" ({by})" if " to " in by else "")
+    assert f"{how}: saved step {saved}; newest complete checkpoint: step {saved}" in out
+    done = summary(workdir)
+    assert (done["status"], done["last_step"]) == (f"stopped ({by})", saved), done
     return out, saved
 
 
@@ -265,7 +274,9 @@ def test_sigterm_to_the_launcher_or_one_process_saves_and_resumes_exactly(
         return int(pids[0])
 
     launcher = start_command(launcher_command(tmp_path, data_dir))
-    out, second = stopped_by_sigterm(launcher, process_1, tmp_path, after=first + 4)
+    out, second = stopped_by_sigterm(
+        launcher, process_1, tmp_path, after=first + 4, by="SIGTERM to process 1"
+    )
     assert f"resumed from the checkpoint of step {first}" in out
     assert "[p1] SIGTERM: saving at the end of the current loop" in out
     assert "[p0] SIGTERM" not in out
@@ -300,3 +311,58 @@ def test_sigterm_to_a_lone_process_with_a_coordinator_saves_and_resumes_exactly(
     result = run_command(command(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
+
+
+def process_pid(workdir, index: int) -> int:
+    pids = subprocess.run(
+        ["pgrep", "-f", f"workdir={workdir}.*process_id={index}"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(pids) == 1, pids
+    return int(pids[0])
+
+
+def test_a_frozen_peer_ends_the_job_in_one_line(data_dir, tmp_path):
+    # Process 1 freezes (SIGSTOP): process 0 waits inside a collective, where JAX's
+    # coordination service would abort it a minute or two later with a C++ log. The
+    # job's own watch names the lost process within --heartbeat_timeout instead.
+    flags = tiny_flags(tmp_path, data_dir, **{**PREEMPT, "num_train_steps": 100000})
+    cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--cpu_devices=8"]
+    launcher = start_command([*cmd, "--", *flags, "--heartbeat_timeout=10"])
+    head = wait_for(launcher, "step       8/")
+    frozen = process_pid(tmp_path, 1)
+    os.kill(frozen, signal.SIGSTOP)
+    start = time.time()
+    try:
+        out = head + wait_for(launcher, "error:", timeout=120)
+        took = time.time() - start
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    out += launcher.communicate(timeout=120)[0]
+    assert launcher.returncode != 0
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert errors[0].startswith("[p0] error: process 1 of 2 stopped answering: nothing from it")
+    assert "while process 0 was training, past step" in errors[0]
+    # Up to the job's end nothing but that line (process 1, continued after the job
+    # ended, finds its coordinator gone: what it prints then is after the fact).
+    ended = out.split("[launch] process 0 exited")[0]
+    assert "Traceback" not in ended and "Terminating process" not in ended, ended[-3000:]
+    assert 10 <= took < 60, took
+    done = summary(tmp_path)
+    assert done["status"] == "failed" and "process 1 of 2 stopped answering" in done["error"]
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_ctrl_c_twice_stops_at_once_and_says_so_in_the_summary(data_dir, tmp_path):
+    flags = tiny_flags(tmp_path, data_dir, **{**PREEMPT, "num_train_steps": 100000})
+    cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--cpu_devices=8"]
+    launcher = start_command([*cmd, "--", *flags])
+    head = wait_for(launcher, "step       8/")
+    for _ in range(2):
+        os.kill(launcher.pid, signal.SIGINT)
+        time.sleep(0.3)
+    out = head + launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 130, out[-3000:]
+    assert "stopped now (Ctrl-C twice)" in out and "Traceback" not in out, out[-3000:]
+    done = summary(tmp_path)
+    assert done["status"] == "stopped (Ctrl-C twice)", done
+    assert not (tmp_path / "run.lock").exists() and not (tmp_path / "run.lock.peers").exists()

@@ -25,8 +25,8 @@ from models import decode as decode_lib
 from trainer import checkpoint as checkpoint_lib
 from trainer import tasks
 from trainer.analysis import figures
-from trainer.checkpoint import export as export_lib
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
+from trainer.inference import export as export_lib
 from trainer.input import translation as data_lib
 from trainer.reporting import metrics
 from trainer.training import experiment
@@ -262,7 +262,7 @@ def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, t
     )
     workdir = tmp_path / "finetune"
     state = train_lib.train(config, str(workdir))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "init_from: 63 of 65 parameters" in out
     assert (
         "from their initialisers: decoder_layers_1/mlp/wo/bias, decoder_layers_1/mlp/wo/kernel"
@@ -357,7 +357,8 @@ def test_plot_runs_and_bench(run, tmp_path):
 
     out = tmp_path / "runs.png"
     result = cli("trainer.plot", run, run, "--out", str(out), "--names", "a,b")
-    assert "loss, eval/accuracy, eval/bleu, eval/loss, eval/nll of 2 run(s)" in result.stderr
+    metrics = "loss, eval/accuracy, eval/bleu, eval/chrf, eval/exact_match, eval/loss, eval/nll"
+    assert f"{metrics} of 2 run(s)" in result.stderr
     image = matplotlib.image.imread(str(out))
     assert image.shape[0] > 300 and image.shape[1] > 600
     series = figures.read_series(run)
@@ -478,7 +479,7 @@ def test_tensorboard_reads_train_and_eval_scalars_and_the_config(run):
 
 
 def test_translate_input_lines_end_at_newlines_only():
-    from trainer.training import decoding
+    from trainer.inference import translator as decoding
 
     lines, problems = decoding.read_lines(b"a\rb\nc\r\nd\x00e\n\xff\n\nlast")
     assert lines == ["a b", "c", None, None, "", "last"]
@@ -559,6 +560,15 @@ def test_the_python_api_translates_and_scores_from_a_run_and_an_export(run, data
     np.testing.assert_allclose(scores, want, rtol=1e-4)
     with pytest.raises(ConfigError, match="2 sources but 1 targets"):
         translator.score(["a", "b"], ["c"])
+    # Arguments a clumsy caller gives: the project's one user-error type, naming them.
+    with pytest.raises(UserError, match="sentences: give a list of strings, not one str"):
+        translator.translate("one sentence")
+    with pytest.raises(UserError, match=r"sentences\[1\] is NoneType None, not a string"):
+        translator.translate(["a", None])
+    with pytest.raises(UserError, match=r"sources\[0\] is NoneType"):
+        translator.score([None], ["x"])
+    with pytest.raises(UserError, match="neither a run's work directory .* nor an export"):
+        Translator.load(tmp_path / "nowhere")
 
     # An export (its layers stacked) carries its config and vocabulary: it loads alone.
     out = tmp_path / "export"

@@ -45,7 +45,7 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
     flops = experiment.build_model(config, with_data=False).task.flops_per_example
     assert rows[-1]["mfu"] == pytest.approx(flops * rows[-1]["examples_per_sec"] / 8e11)
     assert "MFU is against 100.0 GFLOP/s per device, this CPU's f32 matmul peak measured" in (
-        capsys.readouterr().out
+        capsys.readouterr().err
     )
     final = rows[-1]
     assert final["eval/loss"] < first
@@ -133,10 +133,21 @@ def test_rows_carry_time_and_window_and_a_resume_row_names_its_window(data_dir, 
     flags = dict(steps_per_loop=2, log_every_steps=4, checkpoint_every_steps=2, eval_every_steps=0)
     train_lib.train(tiny(data_dir, num_train_steps=6, **flags), str(tmp_path))
     capsys.readouterr()
+    # A row another tool edited (its step a string) is set aside by the resume, not lost.
+    metrics = tmp_path / "metrics.jsonl"
+    edited = metrics.read_text().replace('"step": 4', '"step": "4"', 1)
+    metrics.write_text(edited)
+    damaged = next(line for line in edited.splitlines() if '"step": "4"' in line)
     train_lib.train(tiny(data_dir, num_train_steps=8, **flags), str(tmp_path))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
+    assert (tmp_path / "metrics.unreadable.jsonl").read_text() == damaged + "\n"
+    assert (
+        f"warning: skipped 1 unreadable line of {metrics} (cut short, not UTF-8, not a JSON "
+        "object, or without an integer step); the other rows are used; they are kept in "
+        f"{tmp_path / 'metrics.unreadable.jsonl'}"
+    ) in out
     rows = read_metrics(tmp_path)
-    assert [(r["step"], r["window_steps"]) for r in rows] == [(4, 4), (6, 2), (8, 2)]
+    assert [(r["step"], r["window_steps"]) for r in rows] == [(6, 2), (8, 2)]
     assert not any(k.startswith("eval/") for r in rows for k in r)  # 0: no evaluation at all
     assert "evaluating" not in out and "decoding for BLEU" not in out
     times = [r["time"] for r in rows]

@@ -20,7 +20,7 @@ from etils import epath
 from tensorboardX.proto import event_pb2
 
 from launch.local import free_port
-from trainer.checkpoint import export as export_lib
+from trainer.inference import export as export_lib
 from trainer.training import train as train_lib
 from trainer.workdir import storage
 

@@ -21,6 +21,20 @@ from trainer.parallel import mesh as mesh_lib
 from trainer.training import experiment
 
 
+def plan_mode(config, mode: str) -> dict:
+    """The sharding plan of ``config`` under update-sharding ``mode`` on this process's
+    devices, without data, initial state or a compile: the per-parameter layouts
+    (``"plan"``) and where the groups sit (``"groups"``)."""
+    config = config.copy_and_resolve_references()
+    config.optimizer.update_sharding = mode
+    exp = experiment.build(config, with_data=False)
+    num_slices = math.prod(config.mesh.dcn_axes.values())
+    return {
+        "plan": [list(map(str, row)) for row in exp.plan.table(num_slices)],
+        "groups": mesh_lib.describe_groups(exp.mesh, num_slices),
+    }
+
+
 def bench_mode(
     config,
     mode: str,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import os
 
-from trainer import errors
+from trainer import console
 from trainer.errors import UserError
-from trainer.reporting import rows as rows_lib
+from trainer.workdir import rows as rows_lib
 from trainer.workdir import storage
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)], by step
@@ -25,7 +25,7 @@ def read_series(workdir: str, filename: str = "metrics.jsonl", *, last: bool = T
     """``{metric: [(step, value), ...]}`` from one of a run's JSON-lines files.
 
     Lines no tool can read (cut short, not UTF-8, without an integer step) are
-    skipped, with one warning (:mod:`trainer.reporting.rows`).
+    skipped, with one warning (:mod:`trainer.workdir.rows`).
 
     Args:
       workdir: the run directory.
@@ -36,7 +36,7 @@ def read_series(workdir: str, filename: str = "metrics.jsonl", *, last: bool = T
     path = storage.path(workdir) / filename
     rows, skipped = rows_lib.read(path)
     if skipped:
-        errors.warn(rows_lib.skipped_warning(path, skipped))
+        console.warn(rows_lib.skipped_warning(path, skipped))
     series: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         for key, value in row.items():
@@ -82,7 +82,7 @@ def plot_runs(workdirs: list[str], out: str, names: list[str] | None = None) -> 
             "run logs every log_every_steps; one stopped before its first log step has none)"
         )
     for w in empty:
-        errors.warn(f"{w} has no logged step yet: left out of the figure")
+        console.warn(f"{w} has no logged step yet: left out of the figure")
     kept = [i for i, w in enumerate(workdirs) if w not in empty]
     names, runs = [names[i] for i in kept], [runs[i] for i in kept]
     metrics = ["loss"] + sorted(

@@ -29,7 +29,7 @@ Faults, and what a run does about them:
   newer one is complete, so the newest complete checkpoint is never deleted.
 
 What Orbax prints itself about these faults is dropped
-(:mod:`trainer.command.orbax_output`, which the commands install).
+(:mod:`trainer.checkpoint.orbax_output`, which the commands install).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from trainer import errors
+from trainer import console, errors
 from trainer.checkpoint import leftovers as leftovers_lib
+from trainer.checkpoint import orbax_output
 from trainer.checkpoint import position as position_lib
 from trainer.checkpoint import tree as tree_lib
 from trainer.checkpoint.reader import (
@@ -57,7 +58,6 @@ from trainer.checkpoint.reader import (
     SaveFailedError,
     open_manager,
 )
-from trainer.command import orbax_output
 from trainer.parallel import rules
 from trainer.workdir import storage
 
@@ -130,6 +130,11 @@ class Checkpointer(CheckpointReader):
         self._manager = open_manager(
             self.directory, keep=keep, async_save=async_save, read_only=False
         )
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the save in flight (None: none)."""
+        return self._pending
 
     def newest(self, *, listed: bool = True) -> int | None:
         """As :meth:`CheckpointReader.newest`, without a save this process abandoned."""
@@ -317,7 +322,7 @@ class Checkpointer(CheckpointReader):
             destination = corrupt / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
             (self.directory / str(step)).rename(destination)
             then = "trying an older one" if older else "there is no older one"
-            errors.warn(f"checkpoint {step} {why}; moved it to {destination}; {then}")
+            console.warn(f"checkpoint {step} {why}; moved it to {destination}; {then}")
         self.moved_aside.append(step)
         all_processes(True)  # the others wait for the move
         self._manager.reload()

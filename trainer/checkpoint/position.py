@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from trainer.command import faults
+from trainer import faults
 
 
 class DataStateHandler(ocp.AsyncCheckpointHandler):
@@ -26,7 +26,7 @@ class DataStateHandler(ocp.AsyncCheckpointHandler):
     The position is global (the index of the next global batch, the same on every
     process; see trainer.input.feed), so process 0 writes it and any number of
     processes can resume from it. Written by the save's background commit, like
-    the arrays (and where :mod:`trainer.command.faults`' ``save`` point is).
+    the arrays (and where :mod:`trainer.faults`' ``save`` point is).
     """
 
     _FILE = "position.json"

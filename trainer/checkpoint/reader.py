@@ -16,9 +16,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from trainer import errors
+from trainer.checkpoint import orbax_output
 from trainer.checkpoint import position as position_lib
 from trainer.checkpoint import tree as tree_lib
-from trainer.command import orbax_output
 from trainer.workdir import run_config, storage
 
 

@@ -22,6 +22,7 @@ import ml_collections
 from absl import flags
 
 from trainer.errors import UserError
+from trainer.workdir import run_config
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -38,10 +39,12 @@ def fail(
       at_once: leave without Python's exit (no atexit handlers, no joining of
         threads that wait for a dead peer).
     """
+    from trainer.command import signals  # noqa: PLC0415  (imports nothing heavy)
+
+    if (handling := signals.current()) is not None:
+        handling.wait_if_exiting()  # a stop-now under way says the last line
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     if last_words:
-        from trainer.command import signals  # noqa: PLC0415
-
         signals.silence()
     if at_once:
         os._exit(code)
@@ -212,7 +215,7 @@ def _required(flag: flags.Flag) -> bool:
     return any("must have a value other than None" in v.message for v in flag.validators)
 
 
-LIST_CONFIGS = ("--list-configs", "--list_configs")
+LIST_CONFIGS = ("--list_configs",)
 
 
 def list_configs() -> str:
@@ -237,10 +240,10 @@ def describe_config(config: ml_collections.ConfigDict, source: str) -> str:
     """The config block a run starts with: the keys of ``config`` whose values differ
     from the defaults of its file (``get_config()`` of ``source``'s path: the
     variant's changes and the command line's), a few per line."""
-    defaults = flat_config(load_config(source.partition(":")[0]))
+    defaults = run_config.flat_config(load_config(source.partition(":")[0]))
     changed = [
         f"{key}={value!r}"
-        for key, value in flat_config(config).items()
+        for key, value in run_config.flat_config(config).items()
         if key not in defaults or defaults[key] != value
     ]
     head = f"config {source}: " + (
@@ -259,17 +262,3 @@ def describe_config(config: ml_collections.ConfigDict, source: str) -> str:
             ),
         ]
     )
-
-
-def flat_config(config: ml_collections.ConfigDict) -> dict:
-    """``{"a.b": value}``: every leaf of ``config`` under its dotted key (the key of
-    ``--config.a.b=value``)."""
-
-    def walk(tree: dict, prefix: str):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    return dict(walk(config.to_dict(), ""))

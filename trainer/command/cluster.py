@@ -36,15 +36,18 @@ from trainer.errors import ConfigError
 
 # JAX exports no way to ask which environment jax.distributed.initialize() would
 # join: its detectors are private. These are the only private names the project
-# reads, each through _jax_private; tests/command/test_cluster.py resolves every
+# reads, each through jax_private; tests/command/test_cluster.py resolves every
 # one, so a JAX release that moves one fails there, by name, not in a user's job.
 JAX_PRIVATE = {
     "cluster types": ("jax._src.clusters", "ClusterEnv._cluster_types"),
     "on a Cloud TPU VM": ("jax._src.cloud_tpu_init", "running_in_cloud_tpu_vm"),
+    # The coordinator's key-value store, where the job's processes watch each other
+    # (trainer/command/peers.py).
+    "distributed runtime client": ("jax._src.distributed", "global_state.client"),
 }
 
 
-def _jax_private(what: str):
+def jax_private(what: str):
     """The value of one of :data:`JAX_PRIVATE`, read now (tests patch them).
 
     Raises:
@@ -58,8 +61,9 @@ def _jax_private(what: str):
     except (ImportError, AttributeError) as e:
         raise RuntimeError(
             f"JAX {jax.__version__} has no {module}.{attributes}, which "
-            f"trainer/command/cluster.py reads to detect the cluster ({e}); pass "
-            "--coordinator_address, --num_processes and --process_id instead"
+            f"trainer/command/cluster.py reads ({what}: {e}); use the JAX version "
+            "pyproject.toml pins (to skip detecting the cluster: pass --coordinator_address, "
+            "--num_processes and --process_id)"
         ) from e
     return value
 
@@ -91,7 +95,7 @@ def _managed_environment():
     The same search ``jax.distributed.initialize()`` makes: registration order,
     skipping the opt-in-only types (mpi4py).
     """
-    for env in _jax_private("cluster types"):
+    for env in jax_private("cluster types"):
         if not env.opt_in_only_method and env.is_env_present():
             return env
     return None
@@ -153,18 +157,21 @@ def detect(
     )
     name = env.name or env.__name__
     local_rank = env.get_local_process_id()
-    every_device = _jax_private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
+    every_device = jax_private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
     devices = None if every_device else (local_rank,)
     return Job(name, address, env.get_process_count(), env.get_process_id(), devices)
 
 
-def initialize(job: Job, *, heartbeat_timeout_s: int) -> None:
+def initialize(job: Job, *, heartbeat_timeout_s: int, shutdown_timeout_s: int) -> None:
     """Starts JAX's multi-controller runtime for ``job``.
 
     Args:
       job: from :func:`detect`.
-      heartbeat_timeout_s: a process silent this long is taken for dead, and
-        the others fail instead of waiting forever.
+      heartbeat_timeout_s: JAX's coordination service takes a process silent this
+        long for dead, and aborts the others (the job's own watch,
+        :mod:`trainer.command.peers`, says so first, in one line).
+      shutdown_timeout_s: a leaving process waits at most this long for the others
+        at the runtime's shutdown barrier.
     """
     jax.distributed.initialize(
         coordinator_address=job.coordinator_address,
@@ -175,5 +182,6 @@ def initialize(job: Job, *, heartbeat_timeout_s: int) -> None:
         # a SLURM or Open MPI process to the one GPU of its local rank.
         cluster_detection_method="deactivate",
         heartbeat_timeout_seconds=heartbeat_timeout_s,
+        shutdown_timeout_seconds=shutdown_timeout_s,
         initialization_timeout=max(heartbeat_timeout_s, 60),
     )

@@ -18,6 +18,8 @@ import tokenize
 
 import ml_collections
 
+from trainer.workdir import run_config
+
 # The function of configs/common.py whose returned keywords are the ``data`` section's.
 _DATA_SECTION = "data_config"
 
@@ -46,10 +48,9 @@ def render(config: ml_collections.ConfigDict, defaults: dict, source: str) -> st
     """The ``--print_config`` text: a header, then one line per key of ``config``,
     ``key = value  # doc``, with ``(file: default)`` where the variant or a
     ``--config.`` flag changed the file's default (``defaults``, flat)."""
-    from trainer.command import cli  # noqa: PLC0415  (cli imports absl flags)
 
     docs = key_docs(source.partition(":")[0])
-    values = cli.flat_config(config)
+    values = run_config.flat_config(config)
     lines = [
         f"# {len(values)} keys of --config {source}: key = value (file: its default, where "
         "the variant or a --config. flag changed it)  # what it does"

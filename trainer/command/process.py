@@ -10,6 +10,7 @@ slow imports and points JAX's compilation cache at the run's
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import importlib.util
@@ -22,9 +23,11 @@ from typing import IO
 from absl import app, logging
 from etils import epath
 
-from trainer import errors
-from trainer.command import cli, console, orbax_output
+from trainer import console
+from trainer.checkpoint import orbax_output
+from trainer.command import cli
 from trainer.errors import ConfigError
+from trainer.reporting import metrics
 from trainer.workdir import storage
 
 
@@ -42,11 +45,12 @@ def setup(
 
     * Library logging: warnings and errors only (TFDS and Orbax INFO lines would
       drown the progress lines), and what Orbax prints about faults the run
-      reports itself goes (:mod:`trainer.command.orbax_output`). C++ logs
+      reports itself goes (:mod:`trainer.checkpoint.orbax_output`). C++ logs
       (XLA, libtpu) keep errors only, and TFDS draws no bars of its own: the
-      console (:mod:`trainer.command.console`) says what each phase does, on
+      console (:mod:`trainer.console`) says what each phase does, on
       process 0 only.
-    * Storage: ``gs://`` through a local emulator if ``STORAGE_EMULATOR_HOST`` says so.
+    * Storage: ``gs://`` through a local emulator if ``STORAGE_EMULATOR_HOST`` says so,
+      and TensorBoard event files in object stores through etils.epath.
     * JAX: ``cpu_devices`` CPU devices if asked; JAX's multi-controller runtime when
       this is one process of several, with the explicit coordinator flags or
       wherever JAX recognises the environment (:mod:`trainer.command.cluster`).
@@ -56,8 +60,9 @@ def setup(
       coordinator_address: ``host:port`` of process 0's coordinator service.
       num_processes: number of processes in the job.
       process_id: this process's index.
-      heartbeat_timeout_s: a process silent this long is taken for dead, and
-        the others fail instead of waiting forever.
+      heartbeat_timeout_s: a process of the job silent this long is taken for lost:
+        the others stop in one line (:mod:`trainer.command.peers`, which also sets
+        JAX's own timeouts from it).
       console_stream: where the console goes (default stdout; stderr for a
         command whose stdout is its result).
       compiles_for_tpu: the command compiles for TPU topologies it does not run on
@@ -70,6 +75,9 @@ def setup(
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_tfds_errors_only)
+    # gcsfs logs a traceback for every failed attempt to reach a bucket; the command
+    # says what failed, in one line.
+    std_logging.getLogger("gcsfs").setLevel(std_logging.CRITICAL)
     # tensorboardX warns "NaN or Inf found in input tensor" for every such scalar it
     # writes; the run itself says what is not finite, in one line.
     std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
@@ -90,10 +98,11 @@ def setup(
         )
     orbax_output.quiet()
     storage.configure()
+    metrics.route_event_files_through_epath()  # TensorBoard events in object stores too
     import jax  # noqa: PLC0415  (a command's --help and flag mistakes need no JAX)
     import tensorflow_datasets as tfds  # noqa: PLC0415  (seconds to import)
 
-    from trainer.command import cluster  # noqa: PLC0415  (imports JAX)
+    from trainer.command import cluster, peers  # noqa: PLC0415  (imports JAX)
 
     if compiles_for_tpu:
         # libtpu takes a machine-wide lock when it loads, meant for processes that
@@ -129,11 +138,32 @@ def setup(
         # boundary), so the signal stays the command's. The service's only notifier
         # is that SIGTERM handler: nothing else is lost.
         jax.config.update("jax_enable_preemption_service", False)
-        cluster.initialize(job, heartbeat_timeout_s=heartbeat_timeout_s)
+        timeouts = peers.runtime_timeouts(heartbeat_timeout_s)
+        cluster.initialize(
+            job,
+            heartbeat_timeout_s=timeouts["heartbeat_timeout_seconds"],
+            shutdown_timeout_s=timeouts["shutdown_timeout_seconds"],
+        )
+        watch = peers.start(heartbeat_timeout_s, _peer_lost)
+        if watch is not None:
+            atexit.register(watch.leave)  # before JAX's own shutdown: registered after it
     # Process 0 speaks. Known without jax.process_index(), which would start the
     # backends (and libtpu's start-up lines) in commands that never use a device.
-    console.setup(enabled=job is None or job.process_id == 0, stream=console_stream)
+    console.setup(enabled=job is None or job.process_id == 0, stream=console_stream or sys.stdout)
     tfds.disable_progress_bar()
+
+
+def _peer_lost(message: str) -> None:
+    """A peer of the job is lost (:mod:`trainer.command.peers`): the command's stop-now
+    handling, if it has one, leaves with one line; else this line, and exit 1."""
+    from trainer.command import signals  # noqa: PLC0415  (imports nothing heavy)
+
+    handling = signals.current()
+    if handling is not None:
+        handling.exit_now(message, code=cli.EXIT_ERROR, failed=True)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    signals.silence()
+    os._exit(cli.EXIT_ERROR)
 
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus, as JAX's own detection looks
@@ -192,7 +222,7 @@ def use_compilation_cache(setting: str | None, workdir: epath.Path) -> epath.Pat
 
     directory = None if setting == "" else storage.path(setting or workdir / "compilation_cache")
     if directory is not None and (problem := storage.unwritable(directory)):
-        errors.warn(
+        console.warn(
             f"compilation_cache_dir {directory} cannot be written ({problem}): compiling "
             "without the persistent cache"
         )
@@ -221,8 +251,22 @@ def run(main: Callable[[list[str]], None], *, flags_parser=cli.parse_flags) -> N
         name = spec.name.removesuffix(".__main__") if spec else os.path.basename(sys.argv[0])
         sys.stdout.write(cli.help_text(command, f"python -m {name}"))
         sys.exit(0)
+
+    def guarded(argv: list[str]) -> None:
+        try:
+            main(argv)
+        except BaseException:
+            # A stop-now under way in another thread (Ctrl-C twice, a lost peer) ends
+            # the process with its own line: the main thread failing meanwhile on the
+            # same cause (a collective whose peer left) says nothing.
+            from trainer.command import signals  # noqa: PLC0415  (imports nothing heavy)
+
+            if (handling := signals.current()) is not None:
+                handling.wait_if_exiting()
+            raise
+
     try:
-        app.run(main, flags_parser=flags_parser)
+        app.run(guarded, flags_parser=flags_parser)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         sys.exit(130)

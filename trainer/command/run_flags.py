@@ -51,8 +51,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def overrides(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """``{"a.b": value}`` where ``config`` differs from the run's own config."""
-    before = cli.flat_config(run_config.load(workdir, warn=False))
-    return {k: v for k, v in cli.flat_config(config).items() if before.get(k) != v}
+    before = run_config.flat_config(run_config.load(workdir, warn=False))
+    return {k: v for k, v in run_config.flat_config(config).items() if before.get(k) != v}
 
 
 def config_value() -> ml_collections.ConfigDict:

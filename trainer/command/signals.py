@@ -1,7 +1,9 @@
 """SIGTERM and Ctrl-C: stop requests, and a second Ctrl-C that stops now.
 
 Installed by ``python -m trainer`` before anything slow (this module imports
-nothing heavy), and by ``train()`` for its own duration when called as a library.
+nothing heavy), for the rest of the process; the run reads it through the
+protocol :class:`trainer.training.stopping.StopRequests`. ``train()`` called from
+Python installs nothing: there Ctrl-C is Python's own KeyboardInterrupt.
 
 * SIGTERM (a scheduler's notice; ``launch.local`` passing one on) and the first
   SIGINT (Ctrl-C) ask the run to stop at the next loop boundary: it saves,
@@ -54,17 +56,20 @@ class Signals:
         self.first: str | None = None  # "SIGTERM" or "SIGINT": the first stop request
         self.count = 0  # SIGTERMs and SIGINTs received (two sent at once may arrive as one)
         self._interrupts = 0
-        self._stop_now: list[Callable[[], str | None]] = []
+        self._stop_now: list[Callable[[str, bool], str | None]] = []
         self._last: list[Callable[[], None]] = []
+        self._exiting = threading.Lock()  # one way out at once
+        self._local = threading.local()  # which thread took it
         # Seconds a process of launch.local's has after the launcher's death (None: not one).
         self.grace_s: float | None = None
 
     def on_stop_now(
-        self, callback: Callable[[], str | None], last: Callable[[], None] | None = None
+        self, callback: Callable[[str, bool], str | None], last: Callable[[], None] | None = None
     ) -> None:
-        """On a second Ctrl-C, runs ``callback`` (from another thread; its return
-        value joins the final line), then prints that line, then runs ``last``
-        (cleanup that must come after everything else, just before the exit)."""
+        """When the process must stop at once (:meth:`exit_now`: a second Ctrl-C, a lost
+        peer), runs ``callback(why, failed)`` (from another thread; its return value
+        joins the final line), then prints that line, then runs ``last`` (cleanup that
+        must come after everything else, just before the exit)."""
         self._stop_now.append(callback)
         if last is not None:
             self._last.append(last)
@@ -78,7 +83,7 @@ class Signals:
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts >= 2:
-                self._exit_now()
+                self.exit_now("Ctrl-C twice", code=EXIT_INTERRUPTED)
         if self.first is None and signum in (signal.SIGTERM, signal.SIGINT):
             self.first = signal.Signals(signum).name
             what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
@@ -94,22 +99,41 @@ class Signals:
         grace, self.grace_s = self.grace_s, None  # once
         threading.Thread(target=_kill_group_after, args=(grace,), daemon=True).start()
 
-    def _exit_now(self) -> None:
+    def wait_if_exiting(self) -> None:
+        """Blocks for good if :meth:`exit_now` is under way in another thread: the
+        process then ends there, with its line and code (a main thread failing on the
+        same cause meanwhile must not say otherwise first)."""
+        if self._exiting.locked() and not self._exiting_here():
+            threading.Event().wait()
+
+    def _exiting_here(self) -> bool:
+        return getattr(self._local, "exiting", False)
+
+    def exit_now(self, why: str, *, code: int, failed: bool = False) -> None:
+        """Stops the process now, from any thread: runs the stop-now callbacks, kills
+        the data workers, says one line (``stopped now (why): ...``, or ``error: why;
+        ...`` when ``failed``), runs the last callbacks and exits with ``code``."""
+        if not self._exiting.acquire(blocking=False):
+            return  # another way out is under way
+        self._local.exiting = True
         parts = []
         for callback in self._stop_now:
             try:
-                parts.append(callback())
+                parts.append(callback(why, failed))
             except Exception as e:  # noqa: BLE001  (going down anyway: say it, go on)
                 parts.append(f"({type(e).__name__}: {e})")
         for child in multiprocessing.active_children():  # data workers not stopped above
             child.kill()
         detail = "; ".join(p for p in parts if p)
-        _say(f"stopped now (Ctrl-C twice){': ' + detail if detail else ''}")
+        if failed:
+            _say(f"error: {why}{'; ' + detail if detail else ''}")
+        else:
+            _say(f"stopped now ({why}){': ' + detail if detail else ''}")
         silence()  # the cleanup below makes the threads still writing fail, loudly
         for last in self._last:
             with contextlib.suppress(Exception):
                 last()
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(code)
 
 
 def _kill_group_after(seconds: float) -> None:

@@ -17,8 +17,8 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from trainer import tasks
-from trainer.command import cli, console, process
+from trainer import console, tasks
+from trainer.command import cli, process
 from trainer.workdir import storage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")

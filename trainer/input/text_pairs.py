@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 
 from etils import epath
 
-from trainer import errors
+from trainer import console
 from trainer.errors import ConfigError
 from trainer.workdir import storage
 
@@ -108,16 +108,18 @@ class TextPairs(Sequence):
 
 def expand(patterns: Sequence[str] | str, key: str) -> list[epath.Path]:
     """The files ``patterns`` name (globs, local or URLs), sorted, without repeats.
+    One string holds comma-separated patterns (``--config.data.train_files=a.tsv,b.tsv``).
 
     Raises:
       ConfigError: naming ``key``, if there is no pattern or one matches nothing.
     """
     if isinstance(patterns, str):
-        patterns = [patterns] if patterns else []
+        patterns = [p.strip() for p in patterns.split(",") if p.strip()]
     if not patterns:
         raise ConfigError(f"{key} is empty: give the files of sentence pairs (globs allowed)")
     found: dict[str, epath.Path] = {}
     for pattern in patterns:
+        storage.check_reachable(pattern, key)
         matches = _glob(str(pattern))
         if not matches:
             raise ConfigError(f"{key}: no file matches {pattern}")
@@ -193,7 +195,7 @@ def read(
         detail = f": {skipped.describe()}" if skipped.total else ""
         raise ConfigError(f"{key}: no usable sentence pair in {names}{detail}")
     if skipped.total:
-        errors.warn(
+        console.warn(
             f"{key}: skipped {skipped.total:,} of {skipped.total + len(sources):,} rows of "
             f"{names}: {skipped.describe()}"
         )

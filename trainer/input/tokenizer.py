@@ -15,7 +15,7 @@ from typing import Protocol
 
 import sentencepiece as spm
 
-from trainer.command import console
+from trainer import console
 from trainer.errors import ConfigError
 from trainer.workdir import storage
 

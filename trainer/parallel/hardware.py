@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from trainer import errors
+from trainer import console
 from trainer.parallel import torus
 
 GIB = 2**30
@@ -191,7 +191,7 @@ def peak_flops_per_device(devices, override: float = 0.0) -> float:
     if row is None:
         if device.device_kind not in _warned:
             _warned.add(device.device_kind)
-            errors.warn(
+            console.warn(
                 f"no peak FLOP/s known for device kind '{device.device_kind}': MFU is left "
                 f"out; set config.peak_flops_per_device to report it"
             )

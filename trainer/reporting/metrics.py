@@ -14,15 +14,13 @@ import sys
 import time
 
 import numpy as np
-from etils import epath
 from tensorboardX import SummaryWriter, record_writer
 from tensorboardX import summary as tb_summary
 from tensorboardX.proto import event_pb2
 
-from trainer.command import cli, console
+from trainer import console
 from trainer.errors import ConfigError, UserError
-from trainer.reporting import rows as rows_lib
-from trainer.workdir import storage
+from trainer.workdir import run_config, storage
 
 # metrics.jsonl in an object store is rewritten whole when flushed: at most this often.
 _REMOTE_FLUSH_SECS = 10.0
@@ -43,7 +41,7 @@ def flat_hparams(config) -> dict[str, str | float | bool]:
     values that are not numbers, strings or booleans (tuples, None) as text."""
     return {
         key: value if isinstance(value, bool | int | float | str) else str(value)
-        for key, value in cli.flat_config(config).items()
+        for key, value in run_config.flat_config(config).items()
     }
 
 
@@ -78,7 +76,6 @@ class MetricWriter:
         self._jsonl = storage.AppendOnlyFile(
             directory / "metrics.jsonl", min_interval_s=_REMOTE_FLUSH_SECS
         )
-        _route_tensorboard_through_epath()
         self._tb = SummaryWriter(logdir=str(directory), flush_secs=30)
 
     def attach(self, tracker) -> None:
@@ -107,11 +104,17 @@ class MetricWriter:
         self._hparams = None
 
     def write(
-        self, step: int, scalars: dict[str, float], *, window_steps: int | None = None
+        self,
+        step: int,
+        scalars: dict[str, float],
+        *,
+        window_steps: int | None = None,
+        samples: tuple[str, ...] = (),
     ) -> None:
         """Appends one JSON object ``{"step", "time", "window_steps", **scalars}`` (the
         wall-clock time of the row, the steps its training metrics average; only
-        ``step`` and scalars when ``window_steps`` is None), TB scalars, and the
+        ``step`` and scalars when ``window_steps`` is None), TB scalars, the
+        evaluation's sample outputs as TensorBoard text (``eval/samples``), and the
         attached tracker's."""
         if not self.enabled:
             return
@@ -124,6 +127,9 @@ class MetricWriter:
         tagged = {tensorboard_tag(k): v for k, v in clean.items()}
         for tag, value in tagged.items():
             self._tb.add_scalar(tag, value, global_step=int(step))
+        if samples:
+            text = "\n\n".join(f"    {line}" for line in samples)  # markdown code lines
+            self._tb.add_text("eval/samples", text, global_step=int(step))
         if self._hparams is not None and any(k.startswith("eval/") for k in clean):
             self._write_hparams(tagged)
         if self._tracker is not None:
@@ -140,10 +146,16 @@ class MetricWriter:
         )
 
     def progress(
-        self, step: int, total: int, scalars: dict[str, float], eta_s: float, *, note: str = ""
+        self,
+        step: int,
+        total: int,
+        scalars: dict[str, float],
+        *,
+        note: str = "",
+        samples: tuple[str, ...] = (),
     ) -> None:
-        """One console line: step, loss, steps/s, ETA (and eval metrics if any), then
-        ``note``."""
+        """One console line: step, loss, steps/s, eval metrics if any, the time left at
+        the row's rate, then ``note``; then a line per sample output."""
         if not self.enabled:
             return
         parts = [f"step {step:>7d}/{total}"]
@@ -161,8 +173,11 @@ class MetricWriter:
                 f"mem {in_use:.2f} GiB (peak {scalars['memory/peak_bytes_in_use'] / 2**30:.2f})"
             )
         parts += [f"{k} {v:.4g}" for k, v in scalars.items() if k.startswith("eval/")]
+        eta_s = (total - step) / max(scalars.get("steps_per_sec", 0.0), 1e-9)
         parts.append(f"ETA {console.duration(eta_s) if math.isfinite(eta_s) else '?'}")
         console.say(" | ".join(parts) + (f" ({note})" if note else ""))
+        for sample in samples:
+            console.say(f"  sample: {sample}")
 
     def info(self, message: str) -> None:
         """A plain console message from process 0."""
@@ -184,40 +199,9 @@ class MetricWriter:
 def write_events(directory: str | os.PathLike, step: int, scalars: dict[str, float]) -> None:
     """Writes ``scalars`` at ``step`` as TensorBoard events into ``directory`` (a
     new events file; :func:`tensorboard_tag` names)."""
-    _route_tensorboard_through_epath()
     with SummaryWriter(logdir=str(directory)) as events:
         for key, value in scalars.items():
             events.add_scalar(tensorboard_tag(key), float(value), global_step=int(step))
-
-
-def drop_rows_after(workdir: str | os.PathLike, step: int) -> int:
-    """Removes the rows of steps after ``step`` from ``workdir/metrics.jsonl``, and the
-    lines no tool can read (:mod:`trainer.reporting.rows`); returns how many of those.
-
-    A resumed run logs those steps again (bit for bit the same training), so
-    each step has one row. The file is replaced whole (atomically on a local
-    disk, as one object in a store), and only if something is dropped.
-    """
-    path = storage.path(workdir) / "metrics.jsonl"
-    kept, skipped = rows_lib.read(path)
-    before = len(kept)
-    kept = [row for row in kept if row["step"] <= step]
-    if skipped or len(kept) != before:
-        storage.write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
-    return skipped
-
-
-def set_aside(workdir: str | os.PathLike, destination: epath.Path) -> epath.Path | None:
-    """Moves ``workdir/metrics.jsonl`` into ``destination`` as ``metrics-<time>.jsonl``
-    (a run that starts over keeps the rows of the steps it lost); returns the new
-    path, or None if there was no file."""
-    path = storage.path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    destination.mkdir(parents=True, exist_ok=True)
-    kept = destination / f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    path.rename(kept)
-    return kept
 
 
 class LossGrowthWatch:
@@ -278,7 +262,10 @@ class _EpathEventFiles:
         storage.path(location).mkdir(parents=True, exist_ok=True)
 
 
-def _route_tensorboard_through_epath() -> None:
+def route_event_files_through_epath() -> None:
+    """Registers, process-wide, tensorboardX's writers of ``gs://``, ``s3://`` and
+    ``az://`` event files as :class:`_EpathEventFiles` (a command's set-up calls it:
+    :func:`trainer.command.process.setup`)."""
     for scheme in ("gs", "s3", "az"):
         record_writer.register_writer_factory(scheme, _EpathEventFiles())
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from trainer.command import console
-from trainer.reporting import rows as rows_lib
+from trainer import console
 from trainer.workdir import lock, storage
+from trainer.workdir import rows as rows_lib
 
 # The phases of a run's wall time; "start-up" is what the others leave (imports,
 # the devices, data and model set-up, the checkpoint read).
@@ -46,6 +46,7 @@ class RunReport:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self._ended_now = False  # a way out that leaves at once wrote the last word
 
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
@@ -85,7 +86,26 @@ class RunReport:
                 }
             )
 
-    def _write(self, summary: dict) -> None:
+    def ended_now(self, why: str, *, failed: bool, lead: bool) -> None:
+        """Records a run that leaves at once, from another thread: ``stopped (why)``
+        (Ctrl-C twice; process 0 writes it) or ``failed`` with ``why`` (a lost peer:
+        whichever process found it writes it, process 0 may be the one lost)."""
+        self._ended_now = True
+        if not (failed or lead):
+            return
+        if not lead and _status(self.directory) != "running":
+            return  # process 0 already said how the run ended
+        summary = {"first_step": self.first_step, "last_step": self.last_step}
+        if failed:
+            summary = {"status": "failed", "error": " ".join(why.split()), **summary}
+        else:
+            summary = {"status": f"stopped ({why})", **summary}
+        with contextlib.suppress(OSError):
+            self._write(summary, last_word=True)
+
+    def _write(self, summary: dict, *, last_word: bool = False) -> None:
+        if self._ended_now and not last_word:
+            return
         storage.write_atomically(
             self.directory / "summary.json", json.dumps(summary, indent=2) + "\n"
         )
@@ -144,6 +164,14 @@ class RunReport:
         return out
 
 
+def _status(directory: epath.Path) -> str | None:
+    """The ``status`` of ``directory/summary.json`` (None: none can be read)."""
+    try:
+        return json.loads((directory / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def user_files(directory: epath.Path) -> list[str]:
     """What a user will open in ``directory``: its files but the run's locks (removed at
     a clean exit, :mod:`trainer.workdir.lock`) and hidden ones."""
@@ -181,7 +209,7 @@ def render(summary: dict, directory: epath.Path) -> str:
 
 def _metric_rows(directory: epath.Path) -> list[dict]:
     """The usable rows of ``metrics.jsonl`` (every step this run directory logged, also
-    before a resume; :mod:`trainer.reporting.rows`)."""
+    before a resume; :mod:`trainer.workdir.rows`)."""
     return rows_lib.read(directory / "metrics.jsonl")[0]
 
 

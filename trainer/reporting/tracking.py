@@ -18,7 +18,7 @@ import string
 import ml_collections
 from etils import epath
 
-from trainer.command import console
+from trainer import console
 from trainer.errors import ConfigError
 from trainer.workdir import storage
 

@@ -22,20 +22,26 @@ from trainer.input import translation as translation_data
 from trainer.tasks import classification, recommendation, translation
 from trainer.tasks.base import REPLICAS, Task
 
-__all__ = ["REPLICAS", "Task", "make_task", "open_data"]
+__all__ = ["REPLICAS", "Task", "make_task", "open_data", "run_file_names"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A model family: ``make_task(config, open_data)`` and ``make_data(data_config,
-    options)``, the builders of its task and of its input pipeline."""
+    options)``, the builders of its task and of its input pipeline, and the names of
+    the files its runs keep for later use (``Task.run_files``: the tokenizer)."""
 
     make_task: Callable[..., Task]
     make_data: Callable[..., Any]
+    run_files: tuple[str, ...] = ()
 
 
 FAMILIES = {
-    "transformer": Family(translation.make_task, translation_data.make_translation_data),
+    "transformer": Family(
+        translation.make_task,
+        translation_data.make_translation_data,
+        (translation_data.VOCAB_FILE,),
+    ),
     "resnet": Family(classification.make_task, imagenet.make_image_data),
     "ncf": Family(recommendation.make_task, movielens.make_movielens_data),
 }
@@ -51,6 +57,12 @@ def family(config: ml_collections.ConfigDict) -> Family:
     if name not in FAMILIES:
         raise ConfigError(f"model.name must be one of {sorted(FAMILIES)}, got '{name}'")
     return FAMILIES[name]
+
+
+def run_file_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The files a run of ``config``'s family keeps in its work directory (and an
+    export beside the parameters) for what later uses the run alone."""
+    return family(config).run_files
 
 
 def open_data(config: ml_collections.ConfigDict, process_index: int = 0, process_count: int = 1):

@@ -14,6 +14,20 @@ REPLICAS = "replicas"
 
 
 @dataclasses.dataclass(frozen=True)
+class HostEvaluation:
+    """What a task's host-driven evaluation found.
+
+    Attributes:
+      metrics: metric name (without ``eval/``) -> value.
+      samples: a few outputs to show beside the metrics, one line each (e.g.
+        ``source => translation (reference)``); the same on every process.
+    """
+
+    metrics: dict[str, float]
+    samples: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
     """A model family as the trainer sees it.
 
@@ -35,7 +49,8 @@ class Task:
         examples), computed on the global batch.
       init_fn: ``(rng, batch) -> variables`` (boxed, with logical axis names).
       evaluate_extra: optional host-driven evaluation (e.g. BLEU from decoding)
-        ``(variables, to_global, to_local) -> dict`` of metrics.
+        ``(variables, to_global, to_local) -> HostEvaluation``: metrics, and a few
+        sample outputs to show.
       flops_per_example: model FLOPs of one training example (for MFU).
       counts_tokens: whether ``"weight"`` counts tokens (then tokens/s is
         reported).
@@ -51,7 +66,7 @@ class Task:
     loss_fn: Callable[..., Any]
     weight_fn: Callable[[dict], Any]
     init_fn: Callable[..., Any]
-    evaluate_extra: Callable[..., dict] | None = None
+    evaluate_extra: Callable[..., HostEvaluation] | None = None
     flops_per_example: float = 0.0
     counts_tokens: bool = False
     run_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)

@@ -14,7 +14,7 @@ import numpy as np
 from models import ncf
 from trainer.errors import ConfigError, floating_dtype
 from trainer.input import movielens
-from trainer.tasks.base import Task
+from trainer.tasks.base import HostEvaluation, Task
 
 
 def make_task(
@@ -75,7 +75,7 @@ def make_task(
 
         return jax.jit(fn)
 
-    def ranking(variables, to_global, to_local) -> dict[str, float]:
+    def ranking(variables, to_global, to_local) -> HostEvaluation:
         del to_local  # the sums are global
         totals = np.zeros(3)
         for batch in data.eval_batches():
@@ -85,7 +85,7 @@ def make_task(
             )
             totals += np.asarray(jax.device_get(sums), np.float64)
         users = max(totals[2], 1.0)
-        return {"hr@10": totals[0] / users, "ndcg@10": totals[1] / users}
+        return HostEvaluation({"hr@10": totals[0] / users, "ndcg@10": totals[1] / users})
 
     return Task(
         model=model,

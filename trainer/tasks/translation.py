@@ -1,5 +1,6 @@
-"""Translation with the encoder-decoder Transformer: loss, token accuracy, BLEU (decoded
-greedily or with beam search, ``eval_beam_size``)."""
+"""Translation with the encoder-decoder Transformer: loss, token accuracy, and BLEU,
+chrF and exact match of translations decoded greedily or with beam search
+(``eval_beam_size``), with a few of them shown at each evaluation."""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import sacrebleu
 from flax import traverse_util
-from jax.experimental import multihost_utils
 
 from models import decode as decode_lib
 from models import losses, stacking, transformer
-from trainer.command import console
+from trainer import console
 from trainer.errors import ConfigError, floating_dtype
 from trainer.input import translation as data_lib
 from trainer.input.tokenizer import EOS_ID
-from trainer.tasks.base import Task
+from trainer.tasks import text_metrics
+from trainer.tasks.base import HostEvaluation, Task
 
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(transformer.TransformerConfig))
 
@@ -42,18 +42,6 @@ def model_config(config: ml_collections.ConfigDict) -> transformer.TransformerCo
             f"(each head gets qkv_dim / num_heads dims)"
         )
     return transformer.TransformerConfig(**fields)
-
-
-def _bleu_stats(hypotheses: list[str], references: list[str]) -> np.ndarray:
-    """Sufficient statistics of corpus BLEU, which add up across processes."""
-    score = sacrebleu.BLEU().corpus_score(hypotheses, [references])
-    return np.array([*score.counts, *score.totals, score.sys_len, score.ref_len], np.float64)
-
-
-def _bleu(stats: np.ndarray) -> float:
-    counts, totals = stats[:4].astype(int).tolist(), stats[4:8].astype(int).tolist()
-    sys_len, ref_len = int(stats[8]), int(stats[9])
-    return sacrebleu.BLEU.compute_bleu(counts, totals, sys_len, ref_len).score
 
 
 def make_decoder(
@@ -161,17 +149,18 @@ def make_task(
             alpha=config.length_penalty,
         )
 
-    def bleu(variables, to_global, to_local) -> dict[str, float]:
+    def decode_eval(variables, to_global, to_local) -> HostEvaluation:
         hypotheses = []
         batches = console.progress(data.eval_batches(), desc="decoding for BLEU", unit="batches")
         for batch in batches:
             tokens = decoder()(variables["params"], to_global(batch)["inputs"])
             hypotheses += [data.vocab.decode(row) for row in np.asarray(to_local(tokens))]
-        _, references = data.eval_references()
-        stats = _bleu_stats(hypotheses[: len(references)], references)
-        # BLEU is not an average of per-process scores; its n-gram counts are sums.
-        stats = np.asarray(multihost_utils.process_allgather(stats)).reshape(-1, stats.size)
-        return {"bleu": _bleu(stats.sum(0))}
+        sources, references = data.eval_references()
+        hypotheses = hypotheses[: len(references)]
+        return HostEvaluation(
+            text_metrics.corpus_metrics(hypotheses, references),
+            text_metrics.samples(sources, hypotheses, references),
+        )
 
     return Task(
         model=model,
@@ -182,7 +171,7 @@ def make_task(
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,
-        evaluate_extra=bleu if data else None,
+        evaluate_extra=decode_eval if data else None,
         flops_per_example=transformer.train_flops_per_example(cfg, length, length),
         counts_tokens=True,
         run_files={data_lib.VOCAB_FILE: data.vocab.serialized}

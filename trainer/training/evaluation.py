@@ -7,6 +7,7 @@ total weight, then the task's host-driven metrics (BLEU from decoding, HR@10).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import flax.linen as nn
 import jax
 
 from trainer import checkpoint as checkpoint_lib
-from trainer.command import console, faults
+from trainer import console, faults
 from trainer.parallel import batches
 from trainer.reporting import metrics as metrics_lib
 from trainer.training import experiment as experiment_lib
@@ -24,8 +25,17 @@ from trainer.training import step as step_lib
 from trainer.workdir import storage
 
 
-def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], dict[str, float]]:
-    """Returns ``evaluate(variables) -> {"eval/<metric>": value}``.
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """An evaluation's metrics (``{"eval/<metric>": value}``) and the task's sample
+    outputs (lines to show beside them; none for most tasks)."""
+
+    metrics: dict[str, float]
+    samples: tuple[str, ...] = ()
+
+
+def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], Evaluation]:
+    """Returns ``evaluate(variables) -> Evaluation``.
 
     ``variables`` are ``{"params": ..., **model_state}`` with the params in their
     logical shapes (e.g. ``exp.params_to_logical`` of the train state's, or a
@@ -38,7 +48,7 @@ def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], dict[str, flo
     to_global = functools.partial(batches.to_global, mesh)
     to_local = functools.partial(batches.to_local, mesh)
 
-    def evaluate(variables) -> dict[str, float]:
+    def evaluate(variables) -> Evaluation:
         with jax.set_mesh(mesh), nn.logical_axis_rules(model.rules):
             totals: dict[str, float] = {}
             for batch in console.progress(task.eval_batches(), desc="evaluating", unit="batches"):
@@ -48,10 +58,12 @@ def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], dict[str, flo
                 faults.point("eval")
             weight = max(totals.pop("weight", 0.0), 1e-9)
             out = {f"eval/{k}": v / weight for k, v in totals.items()}
+            samples = ()
             if task.evaluate_extra is not None:
                 extra = task.evaluate_extra(variables, to_global, to_local)
-                out.update({f"eval/{k}": v for k, v in extra.items()})
-        return out
+                out.update({f"eval/{k}": v for k, v in extra.metrics.items()})
+                samples = extra.samples
+        return Evaluation(out, samples)
 
     return evaluate
 
@@ -75,14 +87,12 @@ def restore_variables(model: experiment_lib.Model, workdir: str, step: int | Non
     return step, {"params": restored["params"], **restored["model_state"]}
 
 
-def evaluate_checkpoint(
-    config, workdir: str, *, step: int | None = None
-) -> tuple[int, dict[str, float]]:
+def evaluate_checkpoint(config, workdir: str, *, step: int | None = None) -> tuple[int, Evaluation]:
     """Evaluates checkpoint ``step`` (default newest) of ``workdir`` under ``config``,
     on this process's devices; builds no optimizer.
 
     Returns:
-      ``(step, {"eval/<metric>": value})``.
+      ``(step, the evaluation)``.
     """
     model = experiment_lib.build_model(config)
     with console.phase(f"reading the parameters of {workdir}"):

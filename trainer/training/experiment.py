@@ -260,6 +260,42 @@ def build_model(
     )
 
 
+def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingPlan:
+    """The update-sharding plan of ``model`` under its config (``mode`` instead of
+    ``optimizer.update_sharding`` if given): each parameter's layout, and which may
+    be gathered in ``gather_dtype`` (:mod:`trainer.parallel.precision`)."""
+    config, mesh, rules, task = model.config, model.mesh, model.rules, model.task
+    opt_cfg = config.optimizer
+    params = model.abstract_params
+    specs = jax.tree.map(lambda p: p.sharding.spec, params)
+    gather_dtype = _dtype(opt_cfg, "gather_dtype")
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.without_data_axes(rules, mesh)):
+        replicas = mesh_lib.data_parallel_size(mesh)
+        rows = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), task.init_batch
+        )
+        unsharded = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        low_precision = precision.low_precision_params(
+            _replica_loss(task),
+            unsharded,
+            model.abstract_model_state,
+            rows,
+            low_dtype=gather_dtype,
+        )
+    return plan_lib.make_plan(
+        params,
+        specs,
+        mesh,
+        mode=mode or opt_cfg.update_sharding,
+        min_shard_bytes=opt_cfg.min_shard_bytes,
+        max_shard_padding=opt_cfg.max_shard_padding,
+        low_precision=low_precision,
+        gather_dtype=gather_dtype,
+        reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
+        gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
+    )
+
+
 def build(
     config: ml_collections.ConfigDict,
     *,
@@ -285,33 +321,7 @@ def build(
 
     # ------------------------------------------------------ plan, optimizer
     params = model.abstract_params
-    specs = jax.tree.map(lambda p: p.sharding.spec, params)
-    gather_dtype = _dtype(opt_cfg, "gather_dtype")
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.without_data_axes(rules, mesh)):
-        replicas = mesh_lib.data_parallel_size(mesh)
-        rows = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), task.init_batch
-        )
-        unsharded = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-        low_precision = precision.low_precision_params(
-            _replica_loss(task),
-            unsharded,
-            model.abstract_model_state,
-            rows,
-            low_dtype=gather_dtype,
-        )
-    plan = plan_lib.make_plan(
-        params,
-        specs,
-        mesh,
-        mode=opt_cfg.update_sharding,
-        min_shard_bytes=opt_cfg.min_shard_bytes,
-        max_shard_padding=opt_cfg.max_shard_padding,
-        low_precision=low_precision,
-        gather_dtype=gather_dtype,
-        reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
-        gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
-    )
+    plan = make_plan(model)
     inner, schedule = optimizers.make_optimizer(opt_cfg, params, config.num_train_steps)
     # Refuses an optimizer that computes something else on a merged or padded tensor
     # (two optimizer steps on this host's CPU, once per experiment).
@@ -377,26 +387,7 @@ def build(
     )
     params_to_logical = jax.jit(plan.to_logical, out_shardings=logical_shardings.params)
 
-    def from_logical(state: step_lib.TrainState) -> step_lib.TrainState:
-        # The leaves the layout keeps as they are give their buffers to the result
-        # (donated: a restore does not hold two copies of the state); the others are
-        # reshaped or padded into new ones (XLA could not reuse theirs, and JAX
-        # would warn about each).
-        leaves, treedef = jax.tree.flatten(state)
-        stored = [x.shape for x in jax.tree.leaves(abstract_state)]
-        kept = [i for i, (x, s) in enumerate(zip(leaves, stored, strict=True)) if x.shape == s]
-        reshaped = [i for i in range(len(leaves)) if i not in set(kept)]
-
-        def convert(kept_leaves, reshaped_leaves):
-            merged = [None] * len(leaves)
-            for i, x in zip(kept + reshaped, [*kept_leaves, *reshaped_leaves], strict=True):
-                merged[i] = x
-            return plan.train_state_to_stored(tx, jax.tree.unflatten(treedef, merged))
-
-        with jax.set_mesh(mesh):
-            return jax.jit(convert, out_shardings=state_shardings, donate_argnums=0)(
-                [leaves[i] for i in kept], [leaves[i] for i in reshaped]
-            )
+    from_logical = _from_logical(plan, tx, abstract_state, state_shardings)
 
     return Experiment(
         model=model,
@@ -413,3 +404,31 @@ def build(
         params_to_logical=params_to_logical,
         from_logical=from_logical,
     )
+
+
+def _from_logical(plan, tx, abstract_state, state_shardings) -> Callable:
+    """``from_logical(state)``: a train state in logical form (a restored checkpoint)
+    -> the run's stored layout and shardings."""
+
+    def from_logical(state: step_lib.TrainState) -> step_lib.TrainState:
+        # The leaves the layout keeps as they are give their buffers to the result
+        # (donated: a restore does not hold two copies of the state); the others are
+        # reshaped or padded into new ones (XLA could not reuse theirs, and JAX
+        # would warn about each).
+        leaves, treedef = jax.tree.flatten(state)
+        stored = [x.shape for x in jax.tree.leaves(abstract_state)]
+        kept = [i for i, (x, s) in enumerate(zip(leaves, stored, strict=True)) if x.shape == s]
+        reshaped = [i for i in range(len(leaves)) if i not in set(kept)]
+
+        def convert(kept_leaves, reshaped_leaves):
+            merged = [None] * len(leaves)
+            for i, x in zip(kept + reshaped, [*kept_leaves, *reshaped_leaves], strict=True):
+                merged[i] = x
+            return plan.train_state_to_stored(tx, jax.tree.unflatten(treedef, merged))
+
+        with jax.set_mesh(plan.mesh):
+            return jax.jit(convert, out_shardings=state_shardings, donate_argnums=0)(
+                [leaves[i] for i in kept], [leaves[i] for i in reshaped]
+            )
+
+    return from_logical

@@ -82,7 +82,8 @@ def make_step_fns(
     state_shardings: TrainState,
     accumulate_steps: int = 1,
 ) -> StepFns:
-    """Builds the (un-jitted) step, K-step loop and eval step functions."""
+    """Builds the (un-jitted) step and K-step loop functions (the eval step is
+    :func:`make_eval_step`'s)."""
     mesh = plan.mesh
     replicas = mesh_lib.data_parallel_size(mesh)
     replica_rules = rules_lib.without_data_axes(rules, mesh)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -18,11 +19,41 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from trainer import checkpoint as checkpoint_lib
-from trainer import errors
-from trainer.command import console
-from trainer.command.signals import Signals
+from trainer import console
 from trainer.errors import UserError
 from trainer.workdir import lock as lock_lib
+
+
+class StopRequests(Protocol):
+    """The process's stop requests, as a run reads them: the command's SIGTERM and
+    Ctrl-C handling (``trainer.command.signals.Signals``) is one.
+
+    Attributes:
+      first: ``"SIGTERM"`` or ``"SIGINT"`` once a stop was asked for, else None.
+    """
+
+    first: str | None
+
+    def on_stop_now(
+        self, callback: Callable[[str, bool], str | None], last: Callable[[], None] | None = None
+    ) -> None:
+        """Registers what to do when the process must stop at once (Ctrl-C twice, a
+        lost peer): ``callback(why, failed)`` returns what it did, for the last line;
+        ``last`` runs after everything else."""
+
+
+# Stop requests as numbers, to gather them from every process.
+_SIGNAL_CODES = {"SIGTERM": 1, "SIGINT": 2}
+
+
+class NoStopRequests:
+    """No stop request ever arrives (a run called from Python: Ctrl-C is Python's own
+    KeyboardInterrupt there)."""
+
+    first: str | None = None
+
+    def on_stop_now(self, callback, last=None) -> None:
+        """Nothing asks for it."""
 
 
 class WorkdirLockLostError(UserError):
@@ -46,14 +77,16 @@ class Run:
 
     Args:
       directory: the work directory.
-      signals: from :func:`trainer.command.signals.install`.
+      signals: the process's stop requests (:class:`StopRequests`).
       lock_timeout_s: ``config.workdir_lock_timeout_s``.
     """
 
-    def __init__(self, directory: epath.Path, signals: Signals, *, lock_timeout_s: float):
+    def __init__(self, directory: epath.Path, signals: StopRequests, *, lock_timeout_s: float):
         self.directory = directory
         self.signals = signals
         self.stopped_at: int | None = None  # the step the run stopped at on request
+        # Why it stopped there: "SIGTERM", "SIGINT", or one sent to another process.
+        self.stopped_by: str | None = None
         self.trained = False  # whether a training step ran in this process
         self._lock = lock_lib.WorkdirLock(directory, timeout_s=lock_timeout_s)
         self._checkpointer: checkpoint_lib.Checkpointer | None = None
@@ -77,7 +110,7 @@ class Run:
         if not self._lead:
             self._lock.join()  # held until this process has finished its part
         if taken_over:
-            errors.warn(taken_over)
+            console.warn(taken_over)
         self.signals.on_stop_now(self._stop_now, last=self._after_stop_now)
         return self
 
@@ -103,21 +136,28 @@ class Run:
           WorkdirLockLostError: another run took the work directory over.
         """
         failed = self._checkpointer.failure() if self._checkpointer else None
-        flags = np.array(
-            [self.signals.first is not None, self._lock.lost is not None, failed is not None]
-        )
+        asked = _SIGNAL_CODES.get(self.signals.first, 0)
+        flags = np.array([[asked, self._lock.lost is not None, failed is not None]])
         if jax.process_count() > 1:
-            flags = np.any(multihost_utils.process_allgather(flags), axis=0)
-        if flags[2]:
+            flags = np.asarray(multihost_utils.process_allgather(flags[0])).reshape(-1, 3)
+        if flags[:, 2].any():
             raise checkpoint_lib.SaveFailedError(
                 failed or "a checkpoint save failed on another process"
             )
-        if flags[1]:
+        if flags[:, 1].any():
             raise WorkdirLockLostError(
                 (self._lock.lost or "another run took over the work directory lock")
                 + "; this run stops without saving"
             )
-        return bool(flags[0])
+        asking = np.flatnonzero(flags[:, 0])
+        if not asking.size:
+            return False
+        # The first process that was asked names the reason (on every process alike).
+        first = int(asking[0])
+        name = {code: name for name, code in _SIGNAL_CODES.items()}[int(flags[first, 0])]
+        here = jax.process_index()
+        self.stopped_by = name if flags[here, 0] else f"{name} to process {first}"
+        return True
 
     # ---------------------------------------------------------------- end
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -130,8 +170,15 @@ class Run:
         save_error = None
         try:
             if self._checkpointer is not None:
+                pending = self._checkpointer.pending
+                writing = (
+                    console.phase(f"writing the checkpoint of step {pending}")
+                    if pending is not None and exc is None
+                    else contextlib.nullcontext()
+                )
                 try:
-                    self._checkpointer.close()
+                    with writing:
+                        self._checkpointer.close()
                 except checkpoint_lib.SaveFailedError as e:
                     save_error = e
                 if not isinstance(exc, checkpoint_lib.CheckpointError) or isinstance(
@@ -145,7 +192,7 @@ class Run:
         if save_error is not None and not isinstance(exc, checkpoint_lib.SaveFailedError):
             if exc is None:
                 raise save_error
-            errors.warn(str(save_error))
+            console.warn(str(save_error))
         return False
 
     def _ending(self, exc: BaseException | None, *, listed: bool = True) -> str:
@@ -159,7 +206,9 @@ class Run:
         )
         if exc is not None or self.stopped_at is None:
             return tail
-        how = "preempted" if self.signals.first in (None, "SIGTERM") else "interrupted (Ctrl-C)"
+        by = self.stopped_by or self.signals.first or "SIGTERM"
+        how = "interrupted (Ctrl-C)" if by == "SIGINT" else "preempted"
+        how += f" ({by})" if " to " in by else ""
         again = "; run the same command again to resume" if newest is not None else ""
         if self.stopped_at is None or not self.trained:
             return f"{how} before the first step: nothing new to save; {tail}{again}"
@@ -194,9 +243,10 @@ class Run:
             f"a process of the job failed or left ({_one_line(first)}); restart the job to resume"
         )
 
-    def _stop_now(self) -> str:
-        """Ctrl-C twice (from the signal thread, racing the main thread until the
-        exit): only what is quick and touches nothing the main thread uses."""
+    def _stop_now(self, why: str, failed: bool) -> str:
+        """Ctrl-C twice or a lost peer (from another thread, racing the main thread
+        until the exit): only what is quick and touches nothing the main thread uses."""
+        del why, failed  # the same either way
         if self._checkpointer is None:
             return ""
         abandoned = self._checkpointer.abandon()
@@ -212,4 +262,6 @@ class Run:
 
     def _after_stop_now(self) -> None:
         if self._lead:
-            self._lock.release()
+            # The job's other processes are going down too (the same Ctrl-C, or their
+            # own watch of the lost peer): their part of the lock goes with them.
+            self._lock.release(wait_for_peers_s=3.0)

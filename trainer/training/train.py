@@ -20,20 +20,19 @@ import numpy as np
 from etils import epath
 
 from trainer import checkpoint as checkpoint_lib
-from trainer import errors
-from trainer.command import cli, console, faults, signals
+from trainer import console, faults
 from trainer.errors import ConfigError, UserError
 from trainer.input import feed as feed_lib
 from trainer.parallel import batches, hardware
 from trainer.parallel import mesh as mesh_lib
 from trainer.reporting import metrics as metrics_lib
-from trainer.reporting import rows as rows_lib
 from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
+from trainer.reporting.window import LogWindow
 from trainer.training import evaluation, init_from, profiling, stopping
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
-from trainer.workdir import run_config, storage
+from trainer.workdir import records, run_config, storage
 
 
 class NonFiniteLossError(UserError):
@@ -47,7 +46,7 @@ INT_LIMIT = 2**31 - 1
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Fails early, with the numbers, on settings the loop cannot honour."""
-    for key, value in cli.flat_config(config).items():
+    for key, value in run_config.flat_config(config).items():
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
             raise ConfigError(
                 f"{key}={value} is beyond what the run can represent: integers (step counts, "
@@ -80,7 +79,7 @@ def train(
     config: ml_collections.ConfigDict,
     workdir: str,
     *,
-    stop: signals.Signals | None = None,
+    stop: stopping.StopRequests | None = None,
     started: float | None = None,
 ) -> step_lib.TrainState:
     """Trains ``config`` in ``workdir`` and returns the final state.
@@ -89,9 +88,9 @@ def train(
       config: the run config (``optimizer.update_sharding`` resolved: ``auto`` is
         the command's to resolve, :func:`trainer.analysis.compiled.choose_update_sharding`).
       workdir: the run directory (a local path or a URL).
-      stop: the process's stop requests (:func:`trainer.command.signals.install`, as
-        ``python -m trainer`` installs them); None: none arrive, and Ctrl-C is
-        Python's own KeyboardInterrupt.
+      stop: the process's stop requests (:class:`trainer.training.stopping.StopRequests`:
+        ``python -m trainer`` passes its SIGTERM and Ctrl-C handling); None: none
+        arrive, and Ctrl-C is Python's own KeyboardInterrupt.
       started: ``time.time()`` when the process started, for the summary's
         start-up time (default: now).
 
@@ -105,7 +104,10 @@ def train(
     lock_timeout_s = config.workdir_lock_timeout_s
     report = summary_lib.RunReport(directory, started=started)
     lead = jax.process_index() == 0
-    with stopping.Run(directory, stop or signals.Signals(), lock_timeout_s=lock_timeout_s) as run:
+    stop = stop or stopping.NoStopRequests()
+    # A way out that leaves at once (Ctrl-C twice, a lost peer) says so in summary.json.
+    stop.on_stop_now(lambda why, failed: report.ended_now(why, failed=failed, lead=lead))
+    with stopping.Run(directory, stop, lock_timeout_s=lock_timeout_s) as run:
         if lead:
             report.begin()
         try:
@@ -121,7 +123,7 @@ def train(
             global_batch_size=config.global_batch_size,
             newest_checkpoint=run.newest_checkpoint,
             commands=summary_lib.commands(directory, evaluate_flags=_device_flags()),
-            stopped_by=run.signals.first if run.stopped_at is not None else None,
+            stopped_by=run.stopped_by if run.stopped_at is not None else None,
         )
     return state
 
@@ -133,121 +135,49 @@ def _train(
     report: summary_lib.RunReport,
 ) -> step_lib.TrainState:
     """The run, inside ``run`` (lock held; every way out goes through it)."""
-    lead = jax.process_index() == 0
-    info = console.say
     # Checks profile_steps against the loop length before anything is built.
     profiler = profiling.StepProfiler(
-        config.profile_steps, steps_per_loop=config.steps_per_loop, workdir=directory, log=info
+        config.profile_steps,
+        steps_per_loop=config.steps_per_loop,
+        workdir=directory,
+        log=console.say,
     )
 
     # ------------------------------------- mesh, data, model and optimizer
     exp = experiment_lib.build(config)
-    mesh, task = exp.mesh, exp.task
-    feed = feed_lib.Feed(task.train_data, functools.partial(batches.to_global, mesh, stacked=True))
-    run.closes(feed.close)  # data workers stop on every way out
-    devices = jax.devices()
-    info(
-        f"model {config.model.name}: {exp.model.num_params:,} parameters; "
-        f"{len(devices)} {devices[0].device_kind} devices in {jax.process_count()} "
-        f"process(es); mesh {dict(mesh.shape)}; update sharding '{exp.plan.mode}'"
+    feed = feed_lib.Feed(
+        exp.task.train_data, functools.partial(batches.to_global, exp.mesh, stacked=True)
     )
-    if (slices := math.prod(config.mesh.dcn_axes.values())) > 1:
-        info(f"shard groups: {mesh_lib.describe_groups(mesh, slices)}")
+    run.closes(feed.close)  # data workers stop on every way out
+    console.say(_describe(exp))
 
     # ------------------------------------------------ restore or initialise
     checkpointer = checkpoint_lib.Checkpointer(directory, keep=config.keep_checkpoints)
     run.watch(checkpointer)
-    # Every process restores (it synchronises them); the phase is only said if there is
-    # something to read.
-    reading = checkpointer.newest() is not None
-    with (
-        console.phase(f"reading the checkpoint in {checkpointer.directory}")
-        if reading
-        else contextlib.nullcontext()
-    ):
-        restored = checkpointer.restore(exp.logical_state, optimizer=config.optimizer.name)
-    if restored is None:
-        with console.phase("initialising the parameters and optimizer state (sharded)"):
-            state = init_from.initial_state(exp, info)  # exp.init(), or config.init_from
-    else:
-        saved_step, logical, data_state = restored
-        state = exp.from_logical(step_lib.TrainState(**logical))
-        info(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
-        # The position is global: valid for any number of processes.
-        feed.seek(data_state)
-    # Every checkpoint was unusable and moved aside: never start over silently, and
-    # keep the metrics of the steps that are lost.
-    started_over = restored is None and bool(checkpointer.moved_aside)
-    if started_over:
-        kept = None
-        if lead:
-            kept = metrics_lib.set_aside(directory, checkpointer.directory / checkpoint_lib.CORRUPT)
-        errors.warn(
-            f"no usable checkpoint is left in {checkpointer.directory}: this run starts from "
-            "step 0" + (f"; the earlier metrics.jsonl is kept as {kept}" if kept else "")
-        )
-    # The config is accepted: record it, and drop metrics rows after the
-    # restored step (a run that died after logging them wrote them).
-    if lead:
-        storage.write_atomically(directory / run_config.FILE, config.to_json_best_effort(indent=2))
-        for name, content in exp.task.run_files.items():
-            if not (kept := directory / name).exists() or kept.read_bytes() != content:
-                storage.write_atomically(kept, content)
-        if skipped := metrics_lib.drop_rows_after(directory, int(state.step)):
-            errors.warn(rows_lib.skipped_warning(directory / "metrics.jsonl", skipped))
-    writer = metrics_lib.MetricWriter(directory, enabled=lead)
+    state, resumed_at = _restore_or_initialise(exp, checkpointer, feed)
+    step = int(state.step)
+    writer = _begin_records(exp, directory, checkpointer, step, resumed_at)
     run.closes(writer.close)
-    writer.log_config(config)
-    if lead:
-        writer.attach(tracking.start(config, directory))  # W&B, if wandb.project is set
-    if restored is not None or started_over:
-        writer.restart_at(int(state.step))
-
-    def save(step: int, state: step_lib.TrainState, data_state) -> None:
-        with jax.set_mesh(mesh):
-            logical_state = exp.to_logical(state)
-        checkpointer.save(step, logical_state, data_state, config)
 
     # ------------------------------------------------------- compiled loop
-    @functools.cache
-    def compiled_loop(k: int):
-        with console.phase(f"compiling a loop of {k} steps", done="compiled") as compiling:
-            faults.point("compile")
-            with jax.set_mesh(mesh):
-                out = experiment_lib.compile_loop(exp, k)
-        report.add("compile", compiling.seconds)
-        return out
+    compiled_loop = _loop_compiler(exp, report)
+    evaluate = _evaluator(exp)
 
-    evaluate_variables = evaluation.make_evaluator(exp.model)
-
-    def evaluate(state) -> dict[str, float]:
-        with jax.set_mesh(mesh):
-            params = exp.params_to_logical(state.params)
-        return evaluate_variables({"params": params, **state.model_state})
+    def save(step: int, state: step_lib.TrainState, data_state) -> None:
+        console.say(f"saving the checkpoint of step {step} (written in the background)")
+        with report.timing("save"), jax.set_mesh(exp.mesh):  # the blocking part only
+            checkpointer.save(step, exp.to_logical(state), data_state, config)
 
     # ---------------------------------------------------------- host loop
-    peak = _peak_flops_per_device(config, devices)  # 0: MFU left out
     total, k_max = config.num_train_steps, config.steps_per_loop
-    step = int(state.step)
-    if restored is not None and step > total:
-        errors.warn(
-            f"the checkpoint of step {step} is past num_train_steps={total}: nothing to train "
-            f"(raise --config.num_train_steps to train on)"
-        )
-    elif restored is not None and step == total:
-        info(f"the checkpoint of step {step} is at num_train_steps={total}: nothing to train")
+    _say_if_nothing_to_train(step, total, resumed_at)
     divergence = metrics_lib.LossGrowthWatch(config.loss_growth_warning)
-    window: list[dict] = []
-    timer = metrics_lib.Throughput()
-    steps_since_lap = 0
+    window = _window(exp, step, resumed_at)
     report.first_step = report.last_step = step
     if step < total and not run.should_stop():
-        batch, batch_data_state = feed.next(min(k_max, total - step))
+        batch, position = feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
-    timer.lap(0)
-    # The steps the next row's training metrics average: from here (a resume's first
-    # row covers fewer than log_every_steps, and says so).
-    window_start = step
+    window.restart_clock()
     live = console.StepLine(step=step, total=total)
     run.closes(live.close)
     while step < total:
@@ -262,64 +192,176 @@ def _train(
             state, loop_metrics = loop(state, batch)
         faults.point("loop")
         run.trained = True
-        # The input position after this loop's batches, for its checkpoint.
-        data_state = batch_data_state
+        data_state = position  # the input position after this loop's batches
         if step + k < total:  # overlaps host input work with the device loop
-            batch, batch_data_state = feed.next(min(k_max, total - step - k))
+            batch, position = feed.next(min(k_max, total - step - k))
         loop_metrics = jax.device_get(loop_metrics)
-        losses = _check_finite(loop_metrics, step)
-        warning = divergence.observe(step, losses, np.asarray(loop_metrics["weight"]))
-        if warning is not None:
-            errors.warn(warning)
+        _check_loop(loop_metrics, step, divergence)
         step += k
         report.last_step = step
-        steps_since_lap += k
-        window.append(loop_metrics)
+        window.add(loop_metrics, k)
         report.add("train", time.perf_counter() - loop_started)
         live.update(step)
-
-        log_every, eval_every = config.log_every_steps, config.eval_every_steps
-        log_now = log_every and step % log_every == 0
-        # eval_every_steps=0: never (not even at the end).
-        eval_now = eval_every and (step % eval_every == 0 or step == total)
-        if log_now or eval_now or step == total:
-            rate = timer.lap(steps_since_lap)
-            steps_since_lap = 0
-            stacked = {key: np.concatenate([w[key] for w in window]) for key in window[0]}
-            window = []
-            scalars = metrics_lib.reduce_loop_metrics(stacked, step_lib.STEP_SCALARS)
-            examples_per_sec = rate * config.global_batch_size
-            scalars |= {"steps_per_sec": rate, "examples_per_sec": examples_per_sec}
-            scalars["step_time_s"] = 1.0 / max(rate, 1e-9)
-            scalars |= metrics_lib.device_memory(jax.local_devices())
-            if peak:
-                flops_per_sec = task.flops_per_example * examples_per_sec
-                scalars["mfu"] = flops_per_sec / (peak * jax.device_count())
-            if task.counts_tokens:
-                scalars["tokens_per_sec"] = float(np.sum(stacked["weight"])) / max(
-                    len(stacked["weight"]) / rate, 1e-9
-                )
+        eval_now = _evaluates(config, step)
+        if eval_now or step == total or _every(config.log_every_steps, step):
+            scalars, window_steps = window.row(step, jax.local_devices())
+            samples = ()
             if eval_now:
                 with report.timing("eval"):
-                    scalars |= evaluate(state)
-                timer.lap(0)  # eval time is not training throughput
-            window_steps, window_start = step - window_start, step
-            writer.write(step, scalars, window_steps=window_steps)
-            since_resume = restored is not None and step - window_steps == saved_step
-            short = since_resume and window_steps < (log_every or total)
-            note = f"over the {window_steps} steps since the resume" if short else ""
-            writer.progress(step, total, scalars, (total - step) / max(rate, 1e-9), note=note)
-
-        every = config.checkpoint_every_steps
+                    result = evaluate(state)
+                scalars, samples = scalars | result.metrics, result.samples
+                window.restart_clock()  # eval time is not training throughput
+            writer.write(step, scalars, window_steps=window_steps, samples=samples)
+            note = window.note(step, window_steps, config.log_every_steps or total)
+            writer.progress(step, total, scalars, note=note, samples=samples)
         stop = run.should_stop()
-        if (every and step % every == 0) or step == total or stop:
-            with report.timing("save"):  # the blocking part of an async save
-                save(step, state, data_state)
+        if _every(config.checkpoint_every_steps, step) or step == total or stop:
+            save(step, state, data_state)
         if stop:
             run.stopped_at = step
             break
     profiler.stop(step)
     return state  # `run` waits for the last save and closes the files
+
+
+def _begin_records(
+    exp: experiment_lib.Experiment,
+    directory: epath.Path,
+    checkpointer: checkpoint_lib.Checkpointer,
+    step: int,
+    resumed_at: int | None,
+) -> metrics_lib.MetricWriter:
+    """Records the accepted run in its work directory (process 0) and opens its
+    metric writer, which continues a resumed or restarted run's events at ``step``."""
+    lead, config = jax.process_index() == 0, exp.config
+    # Every checkpoint was unusable and moved aside: the run starts over, and says so.
+    started_over = resumed_at is None and bool(checkpointer.moved_aside)
+    if lead:
+        corrupt = checkpointer.directory / checkpoint_lib.CORRUPT
+        records.begin(
+            directory,
+            config,
+            exp.task.run_files,
+            step,
+            started_over_from=corrupt if started_over else None,
+        )
+    writer = metrics_lib.MetricWriter(directory, enabled=lead)
+    writer.log_config(config)
+    if lead:
+        writer.attach(tracking.start(config, directory))  # W&B, if wandb.project is set
+    if resumed_at is not None or started_over:
+        writer.restart_at(step)
+    return writer
+
+
+def _loop_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport):
+    """``compiled_loop(k)``: the K-step loop of ``exp``, compiled once per ``k`` (a
+    phase said, its time the summary's)."""
+
+    @functools.cache
+    def compiled_loop(k: int):
+        with console.phase(f"compiling a loop of {k} steps", done="compiled") as compiling:
+            faults.point("compile")
+            with jax.set_mesh(exp.mesh):
+                out = experiment_lib.compile_loop(exp, k)
+        report.add("compile", compiling.seconds)
+        return out
+
+    return compiled_loop
+
+
+def _evaluates(config: ml_collections.ConfigDict, step: int) -> bool:
+    """Whether the run evaluates after ``step``: every ``eval_every_steps`` and at
+    the end (``eval_every_steps=0``: never, not even at the end)."""
+    every = config.eval_every_steps
+    return every > 0 and (step == config.num_train_steps or step % every == 0)
+
+
+def _every(every: int, step: int) -> bool:
+    """Whether ``step`` is one of every ``every`` steps (0: never)."""
+    return bool(every) and step % every == 0
+
+
+def _describe(exp: experiment_lib.Experiment) -> str:
+    """The run's model, devices, mesh and mode, in the line said before it starts."""
+    devices, config = jax.devices(), exp.config
+    line = (
+        f"model {config.model.name}: {exp.model.num_params:,} parameters; "
+        f"{len(devices)} {devices[0].device_kind} devices in {jax.process_count()} "
+        f"process(es); mesh {dict(exp.mesh.shape)}; update sharding '{exp.plan.mode}'"
+    )
+    if (slices := math.prod(config.mesh.dcn_axes.values())) > 1:
+        line += f"\nshard groups: {mesh_lib.describe_groups(exp.mesh, slices)}"
+    return line
+
+
+def _restore_or_initialise(
+    exp: experiment_lib.Experiment, checkpointer: checkpoint_lib.Checkpointer, feed
+) -> tuple[step_lib.TrainState, int | None]:
+    """``(state, the step resumed from or None)``: the newest usable checkpoint's
+    state (and the input position, ``feed`` seeks it), or else the initial state."""
+    # Every process restores (it synchronises them); the phase is only said if there is
+    # something to read.
+    reading = checkpointer.newest() is not None
+    with (
+        console.phase(f"reading the checkpoint in {checkpointer.directory}")
+        if reading
+        else contextlib.nullcontext()
+    ):
+        restored = checkpointer.restore(exp.logical_state, optimizer=exp.config.optimizer.name)
+    if restored is None:
+        with console.phase("initialising the parameters and optimizer state (sharded)"):
+            return init_from.initial_state(exp, console.say), None  # exp.init(), or init_from
+    saved_step, logical, data_state = restored
+    state = exp.from_logical(step_lib.TrainState(**logical))
+    console.say(f"resumed from the checkpoint of step {saved_step} in {checkpointer.directory}")
+    feed.seek(data_state)  # the position is global: valid for any number of processes
+    return state, saved_step
+
+
+def _evaluator(exp: experiment_lib.Experiment):
+    """``evaluate(state) -> Evaluation`` of a train state."""
+    evaluate_variables = evaluation.make_evaluator(exp.model)
+
+    def evaluate(state: step_lib.TrainState) -> evaluation.Evaluation:
+        with jax.set_mesh(exp.mesh):
+            params = exp.params_to_logical(state.params)
+        return evaluate_variables({"params": params, **state.model_state})
+
+    return evaluate
+
+
+def _window(exp: experiment_lib.Experiment, step: int, resumed_at: int | None) -> LogWindow:
+    config, devices = exp.config, jax.devices()
+    return LogWindow(
+        step,
+        global_batch_size=config.global_batch_size,
+        step_scalars=step_lib.STEP_SCALARS,
+        flops_per_example=exp.task.flops_per_example,
+        peak_flops=_peak_flops_per_device(config, devices) * len(devices),  # 0: no MFU
+        counts_tokens=exp.task.counts_tokens,
+        resumed_at=resumed_at,
+    )
+
+
+def _say_if_nothing_to_train(step: int, total: int, resumed_at: int | None) -> None:
+    if resumed_at is not None and step > total:
+        console.warn(
+            f"the checkpoint of step {step} is past num_train_steps={total}: nothing to train "
+            f"(raise --config.num_train_steps to train on)"
+        )
+    elif resumed_at is not None and step == total:
+        console.say(
+            f"the checkpoint of step {step} is at num_train_steps={total}: nothing to train"
+        )
+
+
+def _check_loop(loop_metrics: dict, first_step: int, divergence) -> None:
+    """Fails on a NaN or Inf loss of the loop; warns once if the loss diverges."""
+    losses = _check_finite(loop_metrics, first_step)
+    warning = divergence.observe(first_step, losses, np.asarray(loop_metrics["weight"]))
+    if warning is not None:
+        console.warn(warning)
 
 
 def _device_flags() -> str:

@@ -16,15 +16,9 @@ its processes (:func:`trainer.training.stopping.Run` shares the outcome).
   waits up to ``timeout_s`` for such stragglers (a job whose launcher died
   ends them within seconds), then stops naming them. Process 0 removes the
   peers file on its way out if no peer holds it any more.
-* ``gs://``: the lock is an object created only if absent (the
-  ``ifGenerationMatch=0`` precondition); the holder renews it every quarter of
-  ``timeout_s``, each time only if it still has the generation the holder wrote,
-  and learns so if another run took it over. A lock not renewed for
-  ``timeout_s`` (by the object store's clock, against this host's) is that of a
-  dead run; it is replaced only if unchanged since it was read, so of two runs
-  racing for it exactly one wins.
-* Other object stores (``s3://``, ``az://``): no atomic create through etils
-  here; the lock is written and read back (best effort, said in a warning).
+* Object stores: a lease on the lock object, renewed while the run lives, that a
+  run taken for dead (not renewed for ``timeout_s``) loses to the next; atomic on
+  ``gs://``, best effort elsewhere (:mod:`trainer.workdir.object_lock`).
 
 A run that exits removes its lock; a lock left behind names a run that died.
 """
@@ -37,16 +31,13 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 import uuid
 from typing import Any
 
-from etils import epath
-
-from trainer import errors
+from trainer import console
 from trainer.errors import UserError
-from trainer.workdir import storage
+from trainer.workdir import object_lock, storage
 
 FILE = "run.lock"
 PEERS_FILE = "run.lock.peers"
@@ -102,14 +93,6 @@ def describe(info: dict[str, Any] | None) -> str:
     return f"{text}: {command}" if command else text
 
 
-def _parse(data: bytes) -> dict[str, Any] | None:
-    try:
-        info = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
 class WorkdirLock:
     """The lock of one work directory (see the module docstring).
 
@@ -123,13 +106,15 @@ class WorkdirLock:
         self.path = storage.path(directory) / FILE
         self.timeout_s = timeout_s
         self.info = holder_info()
-        self.lost: str | None = None  # why the lock is no longer ours, if it is not
         self._fd: int | None = None
         self._peers_fd: int | None = None
-        self._generation: str | None = None
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-        self._best_effort = False
+        # In an object store: the lease on the lock object (trainer/workdir/object_lock.py).
+        self._lease: object_lock.Lease | None = None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lock is no longer ours, if another run took it over (object stores)."""
+        return self._lease.lost if self._lease is not None else None
 
     def acquire(self) -> str | None:
         """Takes the lock.
@@ -141,10 +126,16 @@ class WorkdirLock:
           WorkdirLockedError: naming the live holder.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        scheme = str(self.path).split("://")[0] if storage.is_remote(self.path) else "file"
-        previous = {"file": self._acquire_local, "gs": self._acquire_gcs}.get(
-            scheme, self._acquire_best_effort
-        )()
+        if storage.is_remote(self.path):
+            self._lease = object_lock.lease(self.path, self.info, self.timeout_s)
+            try:
+                previous = self._lease.acquire()
+            except object_lock.LeaseHeldError as e:
+                if e.holder is None and e.renewed_s is None:
+                    raise WorkdirLockedError(str(e)) from None
+                raise WorkdirLockedError(self._locked_message(e.holder, e.renewed_s)) from None
+        else:
+            previous = self._acquire_local()
         if previous is None:
             return None
         return (
@@ -172,25 +163,15 @@ class WorkdirLock:
         if self._peers_fd is not None:
             os.close(self._peers_fd)  # releases the shared flock
             self._peers_fd = None
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join(timeout=30)
-            self._renewer = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._fd is not None:
             self._remove_peers_if_free(wait_for_peers_s)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             os.close(self._fd)  # releases the flock
             self._fd = None
-        elif self._generation is not None:
-            if self.lost is None:
-                # Taken over meanwhile (FileExistsError): not ours to remove.
-                with contextlib.suppress(FileExistsError, FileNotFoundError):
-                    _gcs(self.path).delete(self._generation)
-            self._generation = None
-        elif self._best_effort:
-            self.path.unlink(missing_ok=True)
-            self._best_effort = False
 
     # ----------------------------------------------------------- local file
     def _acquire_local(self) -> dict[str, Any] | None:
@@ -203,12 +184,12 @@ class WorkdirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _parse(os.pread(fd, 1 << 16, 0))
+                holder = object_lock.parse(os.pread(fd, 1 << 16, 0))
                 os.close(fd)
                 grace = _orphan_grace_s(holder)
                 if grace is not None and deadline is None:
                     deadline = time.monotonic() + grace + 10
-                    errors.warn(
+                    console.warn(
                         f"{self.path.parent} is held by {describe(holder)}, whose launcher has "
                         f"died: waiting up to {grace + 10:g}s for it to save and exit"
                     )
@@ -223,7 +204,7 @@ class WorkdirLock:
             if not same:  # the holder removed the file as we opened it: try again
                 os.close(fd)
                 continue
-            previous = _parse(os.pread(fd, 1 << 16, 0))
+            previous = object_lock.parse(os.pread(fd, 1 << 16, 0))
             try:
                 self._peers_fd = self._claim_peers()
             except BaseException:
@@ -258,7 +239,7 @@ class WorkdirLock:
                         "stop them, or choose another --workdir"
                     ) from None
                 if not said:
-                    errors.warn(
+                    console.warn(
                         f"waiting for processes of the previous run in {self.path.parent} to "
                         f"exit{who}"
                     )
@@ -296,71 +277,6 @@ class WorkdirLock:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------- gs://
-    def _acquire_gcs(self) -> dict[str, Any] | None:
-        store = _gcs(self.path)
-        body = json.dumps(self.info).encode()
-        previous = None
-        for _ in range(10):
-            current = store.read()
-            try:
-                if current is None:
-                    self._generation = store.write(body, if_generation="0")
-                else:
-                    generation, updated, holder = current
-                    if holder and holder.get("id") == self.info["id"]:
-                        self._generation = generation  # our own retried create
-                    elif time.time() - updated < self.timeout_s:
-                        raise WorkdirLockedError(
-                            self._locked_message(holder, renewed_s=time.time() - updated)
-                        )
-                    else:
-                        self._generation = store.write(body, if_generation=generation)
-                        previous = holder or {}
-            except FileExistsError:
-                continue  # changed since read: look again
-            break
-        if self._generation is None:
-            raise WorkdirLockedError(f"could not take {self.path}: it keeps changing")
-        self._renewer = threading.Thread(target=self._renew, name="workdir-lock", daemon=True)
-        self._renewer.start()
-        return previous
-
-    def _renew(self) -> None:
-        store = _gcs(self.path)
-        while not self._stop.wait(self.timeout_s / 4):
-            try:
-                self._generation = store.write(
-                    json.dumps(self.info).encode(), if_generation=self._generation
-                )
-            except (FileExistsError, FileNotFoundError):
-                self.lost = f"another run took over the work directory lock {self.path}"
-                return
-            except Exception as e:  # noqa: BLE001  (a network hiccup: try again next time)
-                errors.warn(f"could not renew {self.path}: {e}")
-
-    # ------------------------------------------------- other object stores
-    def _acquire_best_effort(self) -> dict[str, Any] | None:
-        errors.warn(
-            f"{self.path}: this object store has no atomic create here; the work directory "
-            "lock is best effort"
-        )
-        previous = None
-        if self.path.exists():
-            previous = _parse(self.path.read_bytes()) or {}
-            age = time.time() - self.path.stat().mtime
-            if age < self.timeout_s:
-                raise WorkdirLockedError(self._locked_message(previous, renewed_s=age))
-        self.path.write_text(json.dumps(self.info))
-        self._best_effort = True
-        self._renewer = threading.Thread(target=self._rewrite, name="workdir-lock", daemon=True)
-        self._renewer.start()
-        return previous
-
-    def _rewrite(self) -> None:
-        while not self._stop.wait(self.timeout_s / 4):
-            self.path.write_text(json.dumps(self.info))
-
     def _locked_message(self, holder: dict[str, Any] | None, renewed_s: float | None = None) -> str:
         text = f"{self.path.parent} is in use by another run ({describe(holder)})"
         if renewed_s is not None:
@@ -384,54 +300,3 @@ def _flock_holders(fd: int) -> list[int]:
     return sorted(
         {int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == inode} - {me}
     )
-
-
-class _GcsObject:
-    """One ``gs://`` object with the generation preconditions of the GCS JSON API."""
-
-    def __init__(self, path: epath.Path):
-        import fsspec  # noqa: PLC0415
-
-        self._fs = fsspec.filesystem("gs")
-        self._bucket, self._key = str(path).split("://", 1)[1].split("/", 1)
-
-    def read(self) -> tuple[str, float, dict[str, Any] | None] | None:
-        """``(generation, updated unix time, content)``, or None if absent."""
-        try:
-            meta = self._fs.call("GET", "b/{}/o/{}", self._bucket, self._key, json_out=True)
-            _, data = self._fs.call(
-                "GET",
-                "b/{}/o/{}",
-                self._bucket,
-                self._key,
-                alt="media",
-                generation=meta["generation"],
-            )
-        except FileNotFoundError:
-            return None
-        updated = datetime.datetime.fromisoformat(meta["updated"].replace("Z", "+00:00"))
-        return str(meta["generation"]), updated.timestamp(), _parse(data)
-
-    def write(self, body: bytes, *, if_generation: str) -> str:
-        """Writes if the object's generation is ``if_generation`` ("0": absent);
-        returns the new generation. FileExistsError if the precondition fails."""
-        out = self._fs.call(
-            "POST",
-            f"{self._fs._location}/upload/storage/v1/b/{{}}/o",
-            self._bucket,
-            uploadType="media",
-            name=self._key,
-            ifGenerationMatch=if_generation,
-            data=body,
-            headers={"Content-Type": "application/octet-stream"},
-            json_out=True,
-        )
-        return str(out["generation"])
-
-    def delete(self, generation: str) -> None:
-        """Deletes if the object still has ``generation``."""
-        self._fs.call("DELETE", "b/{}/o/{}", self._bucket, self._key, ifGenerationMatch=generation)
-
-
-def _gcs(path: epath.Path) -> _GcsObject:
-    return _GcsObject(path)

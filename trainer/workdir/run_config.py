@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from configs import common
-from trainer import errors
+from trainer import console
 from trainer.errors import UserError
 from trainer.workdir import storage
 
@@ -97,8 +97,23 @@ def load(workdir: str, *, warn: bool = True) -> ml_collections.ConfigDict:
         )
     step, config = saved
     if warn:
-        errors.warn(
+        console.warn(
             f"{path} is damaged ({problem}): using the config saved with checkpoint {step}; "
             "the next training run in this directory writes the file anew"
         )
     return config
+
+
+def flat_config(config: ml_collections.ConfigDict) -> dict:
+    """``{"a.b": value}``: every leaf of ``config`` under its dotted key (the key of
+    ``--config.a.b=value``; the config block, the evaluate overrides, TensorBoard's
+    hparams and the checks of the trainer all read a config so)."""
+
+    def walk(tree: dict, prefix: str):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(walk(config.to_dict(), ""))

@@ -13,8 +13,10 @@ passes it on to the libraries that have their own names for it.
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
+import socket
 import threading
 import time
 
@@ -162,6 +164,38 @@ def path(location: str | os.PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(text)))
 
 
+# The host every gs:// access goes to (without a local emulator).
+_GCS_HOST = "storage.googleapis.com"
+
+
+@functools.cache
+def _resolves(host: str) -> str | None:
+    """Why ``host`` has no address here (None: it resolves), asked once a process."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_reachable(location: str | os.PathLike, what: str) -> None:
+    """Fails at once, in one line, where ``location`` is in an object store this
+    machine cannot reach (no network): gcsfs would retry for a minute and log a
+    traceback for each attempt before saying so.
+
+    Raises:
+      PathError: naming ``what`` (the flag or config key), the location and why.
+    """
+    text = os.fspath(location)
+    if not text.startswith("gs://") or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return
+    if (problem := _resolves(_GCS_HOST)) is not None:
+        raise PathError(
+            f"{what} {text}: this machine cannot reach Google Cloud Storage ({_GCS_HOST}: "
+            f"{problem}): check its network, or use a local path"
+        )
+
+
 def workdir(location: str | os.PathLike | None) -> epath.Path:
     """The run directory ``location`` as a path, after the checks a user's typo
     fails (ConfigError): not empty (it would mean the current directory), not a file."""
@@ -170,6 +204,7 @@ def workdir(location: str | os.PathLike | None) -> epath.Path:
     directory = path(location)
     text = os.fspath(directory)
     if text.startswith("gs://"):
+        check_reachable(text, "--workdir")
         bucket = text[len("gs://") :].split("/", 1)[0]
         if not path(f"gs://{bucket}").exists():
             raise ConfigError(

@@ -9,7 +9,7 @@ import tempfile
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainer.command import console
+from trainer import console
 from trainer.workdir import storage
 
 

@@ -15,7 +15,8 @@ import pytest
 from conftest import REPO, command_env, run_command
 
 from configs import transformer_1024
-from trainer.command import cli, console
+from trainer import console
+from trainer.command import cli
 
 
 @pytest.fixture
@@ -172,7 +173,7 @@ def test_launch_help_documents_every_flag(module):
 
 
 def test_list_configs_names_every_config_and_variant():
-    result = run_command([sys.executable, "-m", "trainer", "--list-configs"], timeout=60)
+    result = run_command([sys.executable, "-m", "trainer", "--list_configs"], timeout=60)
     assert result.returncode == 0, result.stderr
     for name in ("ncf_16", "resnet50_16", "resnet50_1024", "transformer_16", "transformer_1024"):
         assert f"  configs/{name}.py" in result.stdout
@@ -256,3 +257,17 @@ def test_the_launcher_drops_gloo_lines_and_speaks_when_quiet(monkeypatch):
     done.set()
     beat.join()
     assert "[launch] 2 of 2 processes running, " in out.getvalue()
+
+
+def test_bench_plan_prints_the_plan_and_times_nothing():
+    # What the README sends users to for parameter names: seconds, not minutes.
+    command = [sys.executable, "-m", "trainer.bench", "--config=configs/transformer_1024.py:tiny"]
+    result = run_command([*command, "--cpu_devices=8", "--plan", "--modes=none,wus"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "none: group = 8 cpu devices in device order (no torus); 1 group"
+    header = next(line for line in lines if line.strip().startswith("parameter"))
+    assert header.split() == ["parameter", "shape", "none", "wus"]
+    row = next(line for line in lines if line.strip().startswith("decoder_layers/mlp/wi/kernel"))
+    assert "replicated (one shard)" in row and "over data" in row
+    assert "compil" not in result.stdout + result.stderr and "timed" not in result.stdout

@@ -1,8 +1,14 @@
 """What a command tells its user while it works: lines, and progress on every long phase.
 
-A command sets the console up once (:func:`setup`): only process 0 speaks.
-Library code reports through :func:`say`, :func:`phase` and :func:`progress` and
-never decides where output goes:
+A command sets the console up once (:func:`setup`): only process 0 speaks, and
+the command says where (``python -m trainer`` on stdout, a command whose stdout is
+its result on stderr). Library code reports through :func:`say`, :func:`warn`,
+:func:`phase` and :func:`progress` and never decides where output goes; used from
+Python without a command, the console writes to stderr, so that a program's own
+stdout stays its own.
+
+* :func:`warn`, something that did not stop the work: one ``warning:`` line on
+  stderr (every warning of the project goes through here).
 
 * :func:`phase`, a step of unknown length (a compile, a checkpoint read, a
   dataset generated): a line when it starts and one when it ends; in between,
@@ -38,8 +44,10 @@ _TICK_S = 0.5
 @dataclasses.dataclass
 class _Settings:
     enabled: bool = True
-    stream: IO[str] | None = None  # None: sys.stdout at the time of writing
+    stream: IO[str] | None = None  # None: sys.stderr at the time of writing
     interactive: bool | None = None  # None: whether the stream is a terminal
+    last_line: float = 0.0  # time.monotonic() of the last line said
+    doing: str = "starting"  # what the process is doing, for lines that say so
 
 
 _settings = _Settings()
@@ -52,8 +60,8 @@ def setup(
 
     Args:
       enabled: False on every process but the first: they say nothing.
-      stream: where lines and bars go (default stdout; ``trainer.translate``
-        writes its translations there, so its progress goes to stderr).
+      stream: where lines and bars go (default stderr: ``python -m trainer`` asks
+        for stdout; ``trainer.translate`` writes its translations there).
       interactive: bars (True) or plain lines (False); default: bars only if
         ``stream`` is a terminal.
     """
@@ -63,7 +71,7 @@ def setup(
 
 
 def _stream() -> IO[str]:
-    return _settings.stream or sys.stdout
+    return _settings.stream or sys.stderr
 
 
 def is_interactive() -> bool:
@@ -74,15 +82,34 @@ def is_interactive() -> bool:
     return bool(isatty and isatty())
 
 
+def activity() -> str:
+    """What the process is doing, as its console last said (a phase, or the step a
+    training run has reached): for a line written from another thread."""
+    return _settings.doing
+
+
 def say(message: str) -> None:
     """One line, on process 0 (above any bar or clock being drawn)."""
     if not _settings.enabled:
         return
+    _settings.last_line = time.monotonic()
     if is_interactive():
         tqdm.tqdm.write(message, file=_stream())
         _stream().flush()
     else:
         print(message, file=_stream(), flush=True)
+
+
+def warn(message: str) -> None:
+    """Tells the user about something that did not stop the work: one ``warning:``
+    line on stderr (above any bar being drawn), from process 0 only."""
+    if not _settings.enabled:
+        return
+    line = f"warning: {' '.join(str(message).split())}"
+    if is_interactive() and _stream() is sys.stderr:
+        tqdm.tqdm.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def duration(seconds: float) -> str:
@@ -168,13 +195,20 @@ def progress(
 
 
 class StepLine:
-    """A training run's live line on a terminal, between its log lines: the step, the
-    rate and the time left, redrawn in place every second; nothing elsewhere (a log
-    file or a pipe gets the log lines only). :meth:`update` at each loop boundary."""
+    """A training run's live line between its log lines. On a terminal: the step, the
+    rate and the time left, redrawn in place every second. Elsewhere (a log file, a
+    pipe): a plain ``step N/T (X steps/s)`` line whenever nothing else was said for
+    :data:`PLAIN_EVERY_S`, so that a pipe is never silent longer while the run
+    trains. :meth:`update` at each loop boundary."""
 
     def __init__(self, *, step: int, total: int):
-        self._bar = None
-        if not (_settings.enabled and is_interactive()):
+        self._bar, self._ticker = None, None
+        self._step, self._total = step, total
+        self._rate_from = (step, time.monotonic())  # for the plain line's rate
+        if not _settings.enabled:
+            return
+        if not is_interactive():
+            self._ticker = _Ticker(1.0, self._plain_line)
             return
         self._bar = tqdm.tqdm(
             total=total,
@@ -188,16 +222,28 @@ class StepLine:
         )
         self._ticker = _Ticker(1.0, self._bar.refresh)
 
+    def _plain_line(self) -> None:
+        if time.monotonic() - _settings.last_line < PLAIN_EVERY_S:
+            return
+        first, since = self._rate_from
+        seconds = time.monotonic() - since
+        rate = f" ({(self._step - first) / seconds:.2f} steps/s)" if self._step > first else ""
+        say(f"step {self._step}/{self._total}{rate}")
+
     def update(self, step: int) -> None:
         """The run has reached ``step``."""
+        self._step = step
+        _settings.doing = f"training, past step {step} of {self._total}"
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             self._bar.refresh()  # at once: loop boundaries are seconds apart
 
     def close(self) -> None:
-        """Removes the line."""
-        if self._bar is not None:
+        """Removes the line (stops the plain one)."""
+        if self._ticker is not None:
             self._ticker.stop()
+            self._ticker = None
+        if self._bar is not None:
             self._bar.close()
             self._bar = None
 
@@ -218,6 +264,7 @@ def phase(what: str, *, done: str = "done") -> Iterator[Phase]:
     ``seconds`` the caller can read after the block."""
     record = Phase(what)
     start = time.perf_counter()
+    before, _settings.doing = _settings.doing, what
     ticker = None
     if _settings.enabled and is_interactive():
         ticker = _Clock(what)
@@ -228,6 +275,7 @@ def phase(what: str, *, done: str = "done") -> Iterator[Phase]:
     try:
         yield record
     finally:
+        _settings.doing = before
         record.seconds = time.perf_counter() - start
         if ticker is not None:
             ticker.stop()

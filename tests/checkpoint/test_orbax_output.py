@@ -1,4 +1,4 @@
-"""What of Orbax's output reaches the user (trainer/command/orbax_output.py)."""
+"""What of Orbax's output reaches the user (trainer/checkpoint/orbax_output.py)."""
 
 import asyncio
 import logging
@@ -6,7 +6,7 @@ import os
 import sys
 import types
 
-from trainer.command import orbax_output
+from trainer.checkpoint import orbax_output
 
 
 def coroutine_from(filename: str):

@@ -29,22 +29,17 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
+from etils import epath
 
-from trainer.command import console
-from trainer.errors import ConfigError, UserError
+from trainer import console
+from trainer.errors import ConfigError
+from trainer.inference import loading
 from trainer.input import translation as data_lib
 from trainer.input.tokenizer import EOS_ID
 from trainer.parallel import batches
 from trainer.parallel import mesh as mesh_lib
 from trainer.tasks import translation as task_lib
-from trainer.training import evaluation
-from trainer.training import experiment as experiment_lib
-from trainer.workdir import run_config, storage
-
-# An export (trainer/checkpoint/export.py) keeps the run's config (run_config.FILE)
-# and vocabulary beside the parameters.
-_ORBAX_MARKER = "_CHECKPOINT_METADATA"  # in every checkpoint Orbax wrote whole
+from trainer.workdir import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,19 +83,9 @@ def read_lines(data: bytes) -> tuple[list[str | None], list[tuple[int, str]]]:
     return lines, problems
 
 
-def require_translation_run(config) -> None:
+def require_translation_run(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError unless ``config`` is a translation (Transformer) run's."""
-    if config.model.name != "transformer":
-        raise ConfigError(
-            f"this is a run of model.name='{config.model.name}', not a translation model: "
-            "only a Transformer run (configs/transformer_*.py) translates"
-        )
-
-
-def is_export(path: str) -> bool:
-    """Whether ``path`` is an export (parameters and config), not a work directory."""
-    directory = storage.path(path)
-    return (directory / _ORBAX_MARKER).exists() and (directory / run_config.FILE).exists()
+    loading.require_family(config, "transformer")
 
 
 class Translator:
@@ -112,17 +97,17 @@ class Translator:
       source: where the parameters came from.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, model, params, vocab, step, source):
-        self.config, self.step, self.source = config, step, source
-        self._model, self._params, self._vocab = model, params, vocab
+    def __init__(self, trained: loading.Trained, vocab):
+        self.config, self.step, self.source = trained.config, trained.step, trained.source
+        self._model, self._params, self._vocab = trained.model, trained.params, vocab
         self._decoders: dict = {}  # (beam, max_length) -> jitted decoder
         self._compiled: dict = {}  # ((beam, max_length), batch shape) -> its executable
-        self._log_probs = jax.jit(functools.partial(_log_probs, model.task.eval_model))
+        self._log_probs = jax.jit(functools.partial(_log_probs, self._model.task.eval_model))
 
     @classmethod
     def load(
         cls,
-        path: str,
+        path: str | epath.PathLike,
         *,
         step: int | None = None,
         config: ml_collections.ConfigDict | None = None,
@@ -139,25 +124,12 @@ class Translator:
           CheckpointError: no such checkpoint, or it cannot be read.
           UserError: ``path`` is neither a work directory nor an export.
         """
-        if jax.process_count() > 1:
-            raise ConfigError("a Translator runs in one process (of any number of devices)")
-        export = is_export(path)
-        if export and step is not None:
-            raise ConfigError(f"{path} is an export, of one step: it takes no step")
-        if config is None:
-            config = _export_config(path) if export else run_config.load(path)
+        directory = storage.path(path)
+        config = loading.read_config(directory) if config is None else config
         require_translation_run(config)
-        model = experiment_lib.build_model(config, with_data=False)
-        vocab = data_lib.load_vocab(config.data, path)
-        with console.phase(f"reading the parameters of {path}"):
-            if export:
-                params = ocp.StandardCheckpointer().restore(
-                    storage.path(path), model.abstract_params
-                )
-            else:
-                step, variables = evaluation.restore_variables(model, path, step)
-                params = variables["params"]
-        return cls(config, model, params, vocab, step, str(path))
+        # The vocabulary first: a run without one fails before its parameters are read.
+        vocab = data_lib.load_vocab(config.data, directory)
+        return cls(loading.load(directory, family="transformer", step=step, config=config), vocab)
 
     # ------------------------------------------------------------ translate
     def translate(
@@ -174,6 +146,9 @@ class Translator:
           beam_size: 1 decodes greedily (default: the run's ``eval_beam_size``).
           max_length: tokens per translation at most (default: ``max_decode_length``).
           batch_size: sentences decoded together (rounded up to the devices).
+
+        Raises:
+          UserError: ``sentences`` is one string, or holds something else than strings.
         """
         return self.translate_with_report(
             sentences, beam_size=beam_size, max_length=max_length, batch_size=batch_size
@@ -188,6 +163,7 @@ class Translator:
         batch_size: int = 64,
     ) -> tuple[list[str], Report]:
         """:meth:`translate`, and a :class:`Report` of what it did."""
+        sentences = loading.texts(sentences, "sentences")
         config = self.config
         beam = config.eval_beam_size if beam_size is None else beam_size
         max_length = config.max_decode_length if max_length is None else max_length
@@ -236,8 +212,10 @@ class Translator:
         ``data.max_length`` tokens as in evaluation.
 
         Raises:
-          ConfigError: the two lists differ in length, or a sentence is empty.
+          UserError: the two lists differ in length, a sentence is empty, or an item
+            is not a string.
         """
+        sources, targets = loading.texts(sources, "sources"), loading.texts(targets, "targets")
         if len(sources) != len(targets):
             raise ConfigError(f"{len(sources)} sources but {len(targets)} targets")
         cap = self.config.data.max_length
@@ -317,14 +295,6 @@ def _log_probs(model, params, inputs, targets) -> jax.Array:
     log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(targets > 0, picked, 0.0), axis=-1)
-
-
-def _export_config(path: str) -> ml_collections.ConfigDict:
-    file = storage.path(path) / run_config.FILE
-    try:
-        return run_config.from_json(file.read_text())
-    except ValueError as e:
-        raise UserError(f"{file} is damaged ({' '.join(str(e).split())})") from None
 
 
 def _cut(tokens: np.ndarray, cap: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Fault injection through the command line: kills, signals, a full disk and broken
-checkpoints at deterministic points (``WUS_FAULT``, see trainer/command/faults.py), each
+checkpoints at deterministic points (``WUS_FAULT``, see trainer/faults.py), each
 followed by a resume; the resumed runs' losses equal an uninterrupted run's.
 
 Each test is a chain of runs in one work directory (each run resumes what the

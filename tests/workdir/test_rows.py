@@ -7,7 +7,8 @@ import pytest
 
 from trainer.analysis import figures
 from trainer.errors import UserError
-from trainer.reporting import metrics, rows, summary
+from trainer.reporting import summary
+from trainer.workdir import rows
 
 GOOD = [{"step": 2, "loss": 5.0}, {"step": 4, "loss": 4.0, "eval/bleu": 1.5}]
 DAMAGED = [
@@ -33,14 +34,16 @@ def test_damaged_lines_are_skipped_and_counted(tmp_path):
     assert rows.skipped_warning("f", 1).startswith("skipped 1 unreadable line of f (")
 
 
-def test_a_resume_drops_later_and_damaged_rows_atomically(tmp_path):
+def test_a_resume_drops_later_rows_and_keeps_the_damaged_ones_aside(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write(path)
-    assert metrics.drop_rows_after(tmp_path, 2) == len(DAMAGED)
+    assert rows.drop_rows_after(tmp_path, 2) == (len(DAMAGED), tmp_path / rows.UNREADABLE)
     assert path.read_text() == json.dumps(GOOD[0]) + "\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
+    # The unreadable lines, byte for byte, in their order; no temporary file left.
+    assert (tmp_path / rows.UNREADABLE).read_bytes() == b"".join(d + b"\n" for d in DAMAGED)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", rows.UNREADABLE]
     before = path.stat().st_mtime_ns
-    assert metrics.drop_rows_after(tmp_path, 2) == 0  # nothing to drop: not rewritten
+    assert rows.drop_rows_after(tmp_path, 2) == (0, None)  # nothing to drop: not rewritten
     assert path.stat().st_mtime_ns == before
 
 

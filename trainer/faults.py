@@ -86,15 +86,10 @@ def point(name: str) -> None:
         "int": [signal.SIGINT],
         "int2": [signal.SIGINT, signal.SIGINT],
     }[action]
-    from trainer.command import signals as signals_lib  # noqa: PLC0415
-
-    received = signals_lib.current()  # the command's handling, installed at its start
     for signum in signals:
-        before = received.count
         os.kill(os.getpid(), signum)
-        if signum == signal.SIGKILL or received is None:
-            continue
-        # A signal sent while the same one is pending is lost: wait until it is read.
+        # A signal sent while the same one is still pending is lost: wait until a
+        # thread has taken it (the command's handler, or the default action).
         deadline = time.monotonic() + 10
-        while received.count == before and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while signum in signal.sigpending() and time.monotonic() < deadline:
+            time.sleep(0.001)

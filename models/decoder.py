@@ -1,0 +1,297 @@
+"""A decoder-only language model of the Llama family (Llama 2/3, Mistral, Qwen2).
+
+Pre-norm RMSNorm, rotary position embeddings (``models/rope.py``, Llama 3.1's
+frequency scaling optional), grouped-query attention (``num_kv_heads`` key/value heads
+shared by ``num_heads`` query heads), a SwiGLU MLP, no biases but optional ones on the
+query, key and value projections (Qwen2), tied or separate input and output tables.
+
+The model knows nothing of meshes: parameters carry logical axis names from {"vocab",
+"embed", "heads", "kv_heads", "kv", "mlp", "layers"} and activations are constrained
+with {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"}. Rows may
+pack several documents: ``segment_ids`` (1, 2, ...; 0 = padding) keep attention inside
+each, and ``positions`` restart at 0 in each. With ``decode=True`` each attention keeps
+a key/value cache (``models/kv_cache.py``) for generation (``models/generate.py``).
+
+Weights are laid out as Hugging Face's checkpoints of these models are, up to
+reshapes and transposes (``trainer/hf/names.py`` maps them): the query/key/value
+and output projections ``[heads, head_dim, embed]`` (embed minor, like the
+Transformer's: their gradients then reduce-scatter on TPU), the MLP ``[embed, mlp]``
+and ``[mlp, embed]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import rope
+from models.kv_cache import cached_block
+from models.layers import Embedding, RMSNorm, attention, named
+from models.remat import remat_layer
+
+Array = jax.Array
+_EMBED_ACT = ("batch", "length", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Hyperparameters of the decoder (defaults: Llama 3.2 1B's, but the vocabulary).
+
+    Attributes:
+      vocab_size: token ids.
+      num_layers: decoder layers.
+      emb_dim: the residual stream's width (``hidden_size``).
+      num_heads: query heads.
+      num_kv_heads: key/value heads, a divisor of ``num_heads`` (1: multi-query;
+        ``num_heads``: multi-head).
+      head_dim: channels per head.
+      mlp_dim: the SwiGLU MLP's inner width (``intermediate_size``).
+      rope_theta: RoPE's base.
+      rope_scaling: Llama 3.1's frequency scaling, or None.
+      rms_norm_eps: the norms' epsilon.
+      qkv_bias: biases on the query, key and value projections (Qwen2).
+      tie_embeddings: the output (logits) table is the input table.
+      max_len: the longest sequence the model takes (decoding caches this many).
+      init_std: standard deviation of every initial weight (Llama's 0.02).
+      dtype: activations and matmuls; param_dtype: the weights.
+      remat: what each layer keeps for its backward pass (``models/remat.py``).
+      scan_layers: the layers as one ``nn.scan``, parameters ``[layers, ...]``.
+      scan_unroll: layers per iteration of that scan.
+      decode: key/value caches for generation.
+    """
+
+    vocab_size: int
+    num_layers: int = 16
+    emb_dim: int = 2048
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    mlp_dim: int = 8192
+    rope_theta: float = 500_000.0
+    rope_scaling: rope.Llama3Scaling | None = None
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+    max_len: int = 8192
+    init_std: float = 0.02
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+    remat: str = "none"
+    scan_layers: bool = True
+    scan_unroll: int = 1
+    decode: bool = False
+
+    def __post_init__(self):
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                "(each key/value head serves num_heads / num_kv_heads query heads)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+
+
+def causal_mask(segment_ids: Array) -> Array:
+    """bool [batch, 1, 1, length, length]: a token sees the tokens before it (and
+    itself) of its own document; padding (segment 0) sees nothing."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    length = segment_ids.shape[1]
+    earlier = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    return (same & earlier & (segment_ids > 0)[:, :, None])[:, None, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions; a cache when decoding."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, mask: Array | None) -> Array:
+        cfg = self.config
+        kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        init = nn.initializers.normal(stddev=cfg.init_std)
+
+        def project(name: str, heads: int, heads_axis: str) -> Array:
+            w = self.param(
+                name,
+                named(init, heads_axis, "kv", "embed"),
+                (heads, cfg.head_dim, cfg.emb_dim),
+                cfg.param_dtype,
+            )
+            y = jnp.einsum("ble,hde->blhd", x, w.astype(cfg.dtype))
+            if cfg.qkv_bias:
+                b = self.param(
+                    f"{name}_bias",
+                    named(nn.initializers.zeros, heads_axis, "kv"),
+                    (heads, cfg.head_dim),
+                    cfg.param_dtype,
+                )
+                y = y + b.astype(cfg.dtype)
+            return nn.with_logical_constraint(y, ("batch", "length", heads_axis, "kv"))
+
+        # [batch, length, heads, head_dim] and [batch, length, kv_heads, head_dim], in dtype
+        q = project("query", cfg.num_heads, "heads")
+        k = project("key", kv_heads, "kv_heads")
+        v = project("value", kv_heads, "kv_heads")
+        inv_freq = rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q, k = rope.apply(q, positions, inv_freq), rope.apply(k, positions, inv_freq)
+        if cfg.decode:
+            k, v, mask = cached_block(self, k, v, mask)
+        # Query head h = kv_head * group + g: the order Hugging Face's repeat_kv gives.
+        q = q.reshape(q.shape[:2] + (kv_heads, group, cfg.head_dim))
+        out = attention(q, k, v, mask, cfg.dtype)
+        out = out.reshape(out.shape[:2] + (cfg.num_heads, cfg.head_dim))
+        w_out = self.param(
+            "out",
+            named(init, "heads", "kv", "embed"),
+            (cfg.num_heads, cfg.head_dim, cfg.emb_dim),
+            cfg.param_dtype,
+        )
+        return jnp.einsum("blhd,hde->ble", out, w_out.astype(cfg.dtype))
+
+
+class Mlp(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        init = nn.initializers.normal(stddev=cfg.init_std)
+
+        def weight(name: str, shape: tuple[int, int], names: tuple[str, str]) -> Array:
+            return self.param(name, named(init, *names), shape, cfg.param_dtype).astype(cfg.dtype)
+
+        inner = (cfg.emb_dim, cfg.mlp_dim)
+        gate = x @ weight("gate", inner, ("embed", "mlp"))
+        up = x @ weight("up", inner, ("embed", "mlp"))
+        h = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return h @ weight("down", (cfg.mlp_dim, cfg.emb_dim), ("mlp", "embed"))
+
+
+class DecoderLayer(nn.Module):
+    """x + attention(norm(x)), then + mlp(norm(x)); a scan body under ``scan_layers``
+    (it returns ``(x, None)``)."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, mask: Array | None):
+        cfg = self.config
+        norm = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "epsilon": cfg.rms_norm_eps}
+        h = Attention(cfg, name="attention")(
+            RMSNorm(**norm, name="attention_norm")(x), positions, mask
+        )
+        x = nn.with_logical_constraint(x + h, _EMBED_ACT)
+        h = Mlp(cfg, name="mlp")(RMSNorm(**norm, name="mlp_norm")(x))
+        x = nn.with_logical_constraint(x + h, _EMBED_ACT)
+        return (x, None) if cfg.scan_layers else x
+
+
+class Decoder(nn.Module):
+    """The language model; see :class:`DecoderConfig`."""
+
+    config: DecoderConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        table = dict(
+            num_embeddings=cfg.vocab_size,
+            features=cfg.emb_dim,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            stddev=cfg.init_std,
+        )
+        self.token_embedding = Embedding(**table)
+        if not cfg.tie_embeddings:
+            self.output_embedding = Embedding(**table)
+        layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(), in_scan=cfg.scan_layers)
+        if cfg.scan_layers:
+            self.layers = nn.scan(
+                layer,
+                variable_axes={"params": 0, "cache": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                unroll=min(cfg.scan_unroll, cfg.num_layers),
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")
+        else:
+            self.layers = [layer(cfg) for _ in range(cfg.num_layers)]
+        self.final_norm = RMSNorm(cfg.dtype, cfg.param_dtype, cfg.rms_norm_eps)
+
+    def __call__(
+        self,
+        ids: Array,
+        *,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        mask: Array | None = None,
+    ) -> Array:
+        """Float32 logits [batch, length, vocab] of the token after each position.
+
+        Args:
+          ids: int [batch, length] token ids.
+          positions: int [batch, length] positions within each document (default
+            0, 1, ...).
+          segment_ids: int [batch, length] documents of a packed row (1, 2, ...; 0 =
+            padding): attention stays inside each, causally. Default: one document.
+          mask: bool [batch, 1, 1, length, keys] instead of the causal mask of the
+            segments (decoding: which cache slots each new token sees, the caller's).
+        """
+        cfg = self.config
+        if ids.shape[1] > cfg.max_len:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds max_len {cfg.max_len}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        if mask is None and not cfg.decode:
+            segments = jnp.ones_like(ids) if segment_ids is None else segment_ids
+            mask = causal_mask(segments)
+        x = nn.with_logical_constraint(self.token_embedding(ids), _EMBED_ACT)
+        if cfg.scan_layers:
+            x, _ = self.layers(x, positions, mask)
+        else:
+            for layer in self.layers:
+                x = layer(x, positions, mask)
+        x = self.final_norm(x)
+        table = self.token_embedding if cfg.tie_embeddings else self.output_embedding
+        return nn.with_logical_constraint(table.attend(x), ("batch", "length", "vocab"))
+
+
+def param_count(cfg: DecoderConfig) -> int:
+    """Exact number of parameters, with V vocab, E embed, H heads, K kv heads, D head
+    dim, M mlp and L layers: the tables V*E (twice if untied); per layer attention
+    E*D*(2H + 2K) (+ D*(H + 2K) biases), MLP 3*E*M, two norms 2*E; a final norm E."""
+    v, e, d = cfg.vocab_size, cfg.emb_dim, cfg.head_dim
+    h, k, m = cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim
+    tables = v * e * (1 if cfg.tie_embeddings else 2)
+    attention_params = e * d * (2 * h + 2 * k) + (d * (h + 2 * k) if cfg.qkv_bias else 0)
+    layer = attention_params + 3 * e * m + 2 * e
+    return tables + cfg.num_layers * layer + e
+
+
+def matmul_params(cfg: DecoderConfig) -> int:
+    """The parameters a token multiplies by in a forward pass: every projection and
+    the output table (the input table is a lookup, not a matmul; norms and biases
+    are elementwise)."""
+    e, d = cfg.emb_dim, cfg.head_dim
+    layer = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * cfg.mlp_dim
+    return cfg.num_layers * layer + cfg.vocab_size * e
+
+
+def train_flops_per_token(cfg: DecoderConfig, length: int, *, causal_half: bool = True) -> float:
+    """Model FLOPs of one training token (forward and backward: 3 x the forward's) in
+    MaxText's convention: 6 x :func:`matmul_params` (every matmul 2 FLOPs a weight, the
+    output table included, the input lookup not) plus attention's two matmuls,
+    ``2 x 2 x length x heads x head_dim`` a layer forward, halved for causal attention
+    (``causal_half``: only the scores at or before each token are needed), as MaxText
+    counts them since its FLOP fix."""
+    attention_forward = 4 * length * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    if causal_half:
+        attention_forward /= 2
+    return 6.0 * matmul_params(cfg) + 3.0 * attention_forward

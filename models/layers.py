@@ -1,0 +1,122 @@
+"""Blocks the model families share: token tables, normalisations, dot-product attention.
+
+Every parameter carries logical axis names (the trainer maps them to mesh axes);
+computation runs in the module's ``dtype`` with reductions, softmax and logits in
+float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def named(init: Any, *names: str) -> Any:
+    """``init`` with logical axis names for the parameter it creates."""
+    return nn.with_logical_partitioning(init, names)
+
+
+class Embedding(nn.Module):
+    """Token table ("vocab", "embed") that also produces logits through its transpose.
+
+    Attributes:
+      stddev: of the initial values; None: ``features ** -0.5`` (the tied logits then
+        start at unit scale).
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    param_dtype: Any
+    stddev: float | None = None
+
+    def setup(self) -> None:
+        std = self.features**-0.5 if self.stddev is None else self.stddev
+        shape = (self.num_embeddings, self.features)
+        init = nn.initializers.normal(stddev=std)
+        self.embedding = self.param(
+            "embedding", named(init, "vocab", "embed"), shape, self.param_dtype
+        )
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: Array) -> Array:
+        """x @ table^T: operands in ``dtype``, float32 result so logits are never rounded."""
+        table = self.embedding.astype(self.dtype)
+        return jnp.einsum("...e,ve->...v", x, table, preferred_element_type=jnp.float32)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with statistics and affine transform in float32, output in ``dtype``."""
+
+    dtype: Any
+    param_dtype: Any
+    epsilon: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = (x.shape[-1],)
+        scale = self.param("scale", named(nn.initializers.ones, "embed"), shape, self.param_dtype)
+        bias = self.param("bias", named(nn.initializers.zeros, "embed"), shape, self.param_dtype)
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + self.epsilon)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang and Sennrich 2019) with a learned scale: statistics in
+    float32, the scale applied after rounding to ``dtype`` (as Llama's reference code
+    and Hugging Face's ``LlamaRMSNorm`` do)."""
+
+    dtype: Any
+    param_dtype: Any
+    epsilon: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = (x.shape[-1],)
+        scale = self.param("scale", named(nn.initializers.ones, "embed"), shape, self.param_dtype)
+        y = x.astype(jnp.float32)
+        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.epsilon)
+        return scale.astype(self.dtype) * y.astype(self.dtype)
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    dtype: Any,
+    dropout: Callable[[Array], Array] | None = None,
+) -> Array:
+    """Softmax(q k^T / sqrt(d)) v for grouped queries: scores and softmax in float32.
+
+    Args:
+      q: [batch, q_len, kv_heads, group, head_dim] (``group`` query heads share a key).
+      k: [batch, k_len, kv_heads, head_dim].
+      v: [batch, k_len, kv_heads, head_dim].
+      mask: bool, broadcastable to [batch, kv_heads, group, q_len, k_len]; True where a
+        query may attend to a key. A finite minimum keeps fully masked rows (padding
+        queries) NaN-free.
+      dtype: of the probabilities and the output.
+      dropout: applied to the probabilities (training), if given.
+
+    Returns:
+      [batch, q_len, kv_heads, group, head_dim] in ``dtype``.
+    """
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(dtype))
