@@ -21,6 +21,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.steps_per_loop = 10
     config.log_every_steps = 100  # a metrics row and console line every N steps; 0 = never
     config.eval_every_steps = 1000  # evaluate every N steps and at the end; 0 = never
+    # Also evaluate the initial parameters, before the first step (a fresh run's row 0).
+    config.eval_at_start = False
     config.checkpoint_every_steps = 1000  # save every N steps and at the end; 0 = only at the end
     config.keep_checkpoints = 3  # checkpoints kept (>= 1; the newest complete one always)
     # Warn (once) when a step's loss exceeds this many times the lowest of the 1000 steps
@@ -86,7 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.learning_rate = 1e-3  # the peak, after warm-up
     config.optimizer.schedule = "constant"  # constant | rsqrt | cosine | polynomial
     config.optimizer.warmup_steps = 0  # linear warm-up from 0 to learning_rate
-    config.optimizer.end_learning_rate = 0.0  # polynomial schedule: the rate at the end
+    config.optimizer.end_learning_rate = 0.0  # cosine and polynomial schedules: the rate at the end
     config.optimizer.power = 2.0  # polynomial schedule: the decay's exponent
     config.optimizer.b1 = 0.9  # adam, adamw, lamb: first-moment decay
     config.optimizer.b2 = 0.999  # adam, adamw, lamb: second-moment decay

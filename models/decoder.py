@@ -54,6 +54,11 @@ class DecoderConfig:
       rope_scaling: Llama 3.1's frequency scaling, or None.
       rms_norm_eps: the norms' epsilon.
       qkv_bias: biases on the query, key and value projections (Qwen2).
+      mlp_activation: ``"swiglu"`` (gated: Llama's), or ``"relu"`` (one matrix in,
+        one out: the PaLM-like model MaxText measured its MFU tables on).
+      parallel_block: attention and MLP both read one norm of the layer's input and
+        are added to it together (GPT-J, PaLM; MaxText's measured model); else one
+        after the other, each with its own norm (Llama).
       tie_embeddings: the output (logits) table is the input table.
       max_len: the longest sequence the model takes (decoding caches this many).
       init_std: standard deviation of every initial weight (Llama's 0.02).
@@ -75,6 +80,8 @@ class DecoderConfig:
     rope_scaling: rope.Llama3Scaling | None = None
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
+    mlp_activation: str = "swiglu"
+    parallel_block: bool = False
     tie_embeddings: bool = True
     max_len: int = 8192
     init_std: float = 0.02
@@ -93,6 +100,8 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.mlp_activation not in ("swiglu", "relu"):
+            raise ValueError(f"mlp_activation={self.mlp_activation!r}: swiglu or relu")
 
 
 def causal_mask(segment_ids: Array) -> Array:
@@ -155,7 +164,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU, down(silu(gate(x)) * up(x)); or down(relu(up(x)))."""
 
     config: DecoderConfig
 
@@ -168,9 +177,12 @@ class Mlp(nn.Module):
             return self.param(name, named(init, *names), shape, cfg.param_dtype).astype(cfg.dtype)
 
         inner = (cfg.emb_dim, cfg.mlp_dim)
-        gate = x @ weight("gate", inner, ("embed", "mlp"))
         up = x @ weight("up", inner, ("embed", "mlp"))
-        h = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        if cfg.mlp_activation == "swiglu":
+            h = nn.silu(x @ weight("gate", inner, ("embed", "mlp"))) * up
+        else:
+            h = nn.relu(up)
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         return h @ weight("down", (cfg.mlp_dim, cfg.emb_dim), ("mlp", "embed"))
 
 
@@ -184,12 +196,15 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: Array, positions: Array, mask: Array | None):
         cfg = self.config
         norm = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "epsilon": cfg.rms_norm_eps}
-        h = Attention(cfg, name="attention")(
-            RMSNorm(**norm, name="attention_norm")(x), positions, mask
-        )
-        x = nn.with_logical_constraint(x + h, _EMBED_ACT)
-        h = Mlp(cfg, name="mlp")(RMSNorm(**norm, name="mlp_norm")(x))
-        x = nn.with_logical_constraint(x + h, _EMBED_ACT)
+        normed = RMSNorm(**norm, name="attention_norm")(x)
+        h = Attention(cfg, name="attention")(normed, positions, mask)
+        if cfg.parallel_block:
+            h = h + Mlp(cfg, name="mlp")(normed)
+            x = nn.with_logical_constraint(x + h, _EMBED_ACT)
+        else:
+            x = nn.with_logical_constraint(x + h, _EMBED_ACT)
+            h = Mlp(cfg, name="mlp")(RMSNorm(**norm, name="mlp_norm")(x))
+            x = nn.with_logical_constraint(x + h, _EMBED_ACT)
         return (x, None) if cfg.scan_layers else x
 
 
@@ -263,15 +278,21 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(table.attend(x), ("batch", "length", "vocab"))
 
 
+def _mlp_matrices(cfg: DecoderConfig) -> int:
+    return 3 if cfg.mlp_activation == "swiglu" else 2
+
+
 def param_count(cfg: DecoderConfig) -> int:
     """Exact number of parameters, with V vocab, E embed, H heads, K kv heads, D head
     dim, M mlp and L layers: the tables V*E (twice if untied); per layer attention
-    E*D*(2H + 2K) (+ D*(H + 2K) biases), MLP 3*E*M, two norms 2*E; a final norm E."""
+    E*D*(2H + 2K) (+ D*(H + 2K) biases), MLP 3*E*M (SwiGLU; 2*E*M with ReLU), a
+    norm E before each of the two (one for a parallel block); a final norm E."""
     v, e, d = cfg.vocab_size, cfg.emb_dim, cfg.head_dim
     h, k, m = cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim
     tables = v * e * (1 if cfg.tie_embeddings else 2)
     attention_params = e * d * (2 * h + 2 * k) + (d * (h + 2 * k) if cfg.qkv_bias else 0)
-    layer = attention_params + 3 * e * m + 2 * e
+    norms = e if cfg.parallel_block else 2 * e
+    layer = attention_params + _mlp_matrices(cfg) * e * m + norms
     return tables + cfg.num_layers * layer + e
 
 
@@ -280,7 +301,8 @@ def matmul_params(cfg: DecoderConfig) -> int:
     the output table (the input table is a lookup, not a matmul; norms and biases
     are elementwise)."""
     e, d = cfg.emb_dim, cfg.head_dim
-    layer = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * cfg.mlp_dim
+    layer = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    layer += _mlp_matrices(cfg) * e * cfg.mlp_dim
     return cfg.num_layers * layer + cfg.vocab_size * e
 
 

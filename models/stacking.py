@@ -91,3 +91,24 @@ def assemble(sources: Mapping[str, Source], have: Mapping[str, jax.Array]) -> di
         else:
             out[name] = have[source.names[0]]
     return out
+
+
+def init_like_unscanned(scanned, unscanned, rngs, *args, **kwargs) -> dict:
+    """``scanned.init(rngs, *args, **kwargs)``'s variables, with the values of
+    ``unscanned.init`` (the same model, one module per layer): a layer stack is a
+    layout of the parameters, not another model, so both start from the same numbers.
+    The result keeps the scanned model's boxes (logical axis names, ``"layers"``)."""
+    import flax.linen as nn  # noqa: PLC0415  (this module is otherwise plain JAX)
+    from flax import traverse_util  # noqa: PLC0415
+
+    variables = unscanned.init(rngs, *args, **kwargs)
+    boxed = jax.eval_shape(lambda: scanned.init(rngs, *args, **kwargs))["params"]
+    wanted = traverse_util.flatten_dict(nn.unbox(boxed), sep="/")
+    values = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+    stacked = assemble(match(wanted, values), values)
+    flat_boxes = traverse_util.flatten_dict(boxed, sep="/")
+    return {
+        "params": traverse_util.unflatten_dict(
+            {n: box.replace_boxed(stacked[n]) for n, box in flat_boxes.items()}, sep="/"
+        )
+    }

@@ -1,12 +1,12 @@
 """A training framework for JAX with weight-update sharding (Xu et al. 2020).
 
 The commands are ``python -m trainer`` and its siblings (see the README). From
-Python, a trained translation model::
+Python, a trained translation model or language model::
 
-    from trainer import Translator
+    from trainer import Generator, Translator
 
-    model = Translator.load("/tmp/demo")  # a run's work directory, or an export
-    model.translate(["the big dog sees a cat"])
+    Translator.load("/tmp/demo").translate(["the big dog sees a cat"])
+    Generator.load("/tmp/lm").generate(["the big dog sees a cat =>"])
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from trainer.inference.generator import Generator
     from trainer.inference.translator import Translator
 
-__all__ = ["Translator"]
+__all__ = ["Generator", "Translator"]
 
 
 def __getattr__(name: str):
@@ -26,4 +27,8 @@ def __getattr__(name: str):
         from trainer.inference.translator import Translator  # noqa: PLC0415
 
         return Translator
+    if name == "Generator":
+        from trainer.inference.generator import Generator  # noqa: PLC0415
+
+        return Generator
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

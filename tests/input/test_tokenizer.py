@@ -39,8 +39,8 @@ def test_token_lengths_are_cached_and_a_concurrent_writer_wins_harmlessly(tmp_pa
     path = epath.Path(tmp_path) / "vocab.model.abc.split.lengths.npy"
     records = [("a b", "c"), ("d", "e f g"), ("h i j", "k l")]
 
-    def count(record):  # Words plus EOS, on each side.
-        return len(record[0].split()) + 1, len(record[1].split()) + 1
+    def count(batch):  # Words plus EOS, on each side.
+        return [(len(r[0].split()) + 1, len(r[1].split()) + 1) for r in batch]
 
     def read_while_another_process_publishes(indices):
         # Another process finishes counting first: this one's publish must still work.

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from trainer.input import text_pairs
+from trainer.input import corpus
 from trainer.workdir import storage
 
 
@@ -24,7 +24,7 @@ def no_network(monkeypatch):
 
 def test_gs_input_without_network_is_one_line_at_once(no_network):
     with pytest.raises(storage.PathError) as caught:
-        text_pairs.expand("gs://bucket/pairs/*.tsv,local.tsv", "data.train_files")
+        corpus.expand("gs://bucket/pairs/*.tsv,local.tsv", "data.train_files")
     assert str(caught.value) == (
         "data.train_files gs://bucket/pairs/*.tsv: this machine cannot reach Google Cloud "
         "Storage (storage.googleapis.com: Name or service not known): check its network, "
@@ -43,5 +43,5 @@ def test_local_paths_and_an_emulator_are_not_probed(no_network, monkeypatch, tmp
 def test_comma_separated_files_are_the_documented_spelling(tmp_path):
     for name in ("a.tsv", "b.tsv"):
         (tmp_path / name).write_text("x\ty\n")
-    files = text_pairs.expand(f"{tmp_path}/a.tsv,{tmp_path}/b.tsv", "data.train_files")
+    files = corpus.expand(f"{tmp_path}/a.tsv,{tmp_path}/b.tsv", "data.train_files")
     assert [f.name for f in files] == ["a.tsv", "b.tsv"]

@@ -1,12 +1,18 @@
-"""``python -m trainer.data.prepare --config C [--eval_text FILE]``: a run's input, ahead.
+"""``python -m trainer.data.prepare --config C [--eval_text FILE] [--out DIR]``: input, ahead.
 
 Generates an embedded dataset if missing and opens the run's pipeline once, which
 trains the SentencePiece vocabulary and caches the token lengths of a translation
-dataset (so that the processes of a pod run find them ready). The embedded
-datasets' builders are in trainer/input/builders/. For a translation config,
-``--eval_text FILE`` also writes the eval split's source sentences to FILE, one
-a line, and their reference translations to FILE.ref: input for
-``python -m trainer.translate`` and references to score its output against.
+dataset or of a language model's documents (so that the processes of a pod run find
+them ready). The embedded datasets' builders are in trainer/input/builders/. For a
+translation config, ``--eval_text FILE`` also writes the eval split's source
+sentences to FILE, one a line, and their reference translations to FILE.ref: input
+for ``python -m trainer.translate`` and references to score its output against.
+
+For a language model (configs/llama.py, configs/bert_large.py), ``--out DIR`` instead
+tokenizes the training documents once into a token store at DIR, reading them a batch
+at a time (corpora larger than memory; trainer/input/token_store.py), training the
+SentencePiece model first if none is configured; a run then memory-maps the store:
+``--config.data.tokenized_dir=DIR``.
 
 Example:
 python -m trainer.data.prepare --config configs/transformer_1024.py:tiny --eval_text val.txt
@@ -25,6 +31,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:var
 _EVAL_TEXT = flags.DEFINE_string(
     "eval_text", None, "Write the eval split's sources here and their references to <this>.ref."
 )
+_OUT = flags.DEFINE_string(
+    "out", None, "Language models: tokenize the training documents into a token store here."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -34,6 +43,10 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     config.data.worker_count = 0
     start = time.perf_counter()
+    if _OUT.value:
+        with cli.clear_errors():
+            _write_store(config, _OUT.value)
+        return
     with cli.clear_errors():
         if _EVAL_TEXT.value:  # before the work: a path mistake is found at once
             storage.output_file(_EVAL_TEXT.value, "--eval_text")
@@ -49,6 +62,24 @@ def main(argv: list[str]) -> None:
             )
             console.say(f"wrote {len(sources)} sources to {_EVAL_TEXT.value} (references: .ref)")
     console.say(f"prepared the input of {config.data.name} in {time.perf_counter() - start:.0f}s")
+
+
+def _write_store(config, out: str) -> None:
+    """The token store of a language model's training documents at ``out``."""
+    if config.model.name not in ("decoder", "bert"):
+        cli.fail(f"--out: model.name={config.model.name!r} is not a language model's config")
+    from trainer.input import language, pipelines  # noqa: PLC0415  (NumPy, SentencePiece)
+
+    storage.make_directory(out, "--out")
+    start = time.perf_counter()
+    manifest = pipelines.open_pipeline(
+        lambda data, opts: language.write_token_store(data, opts, out), config
+    )
+    console.say(
+        f"wrote {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+        f"({manifest['dtype']}) to {out} in {time.perf_counter() - start:.0f}s; train on it "
+        f"with --config.data.tokenized_dir={out}"
+    )
 
 
 if __name__ == "__main__":

@@ -48,24 +48,29 @@ def token_lengths(
     path: epath.Path,
     num_examples: int,
     read: Callable[[Iterable[int]], list],
-    count: Callable[[object], tuple[int, int]],
+    count: Callable[[list], Iterable],
+    *,
+    width: int = 2,
 ) -> np.ndarray:
-    """int32 [num_examples, 2] token counts, loaded from `path` or computed and saved there.
+    """int32 [num_examples, width] token counts, loaded from `path` or computed and
+    saved there (shared by the translation pairs and a language model's documents).
 
     Args:
       path: the cache file (see `lengths_path`).
       num_examples: examples in the split.
       read: indices -> records.
-      count: record -> (input tokens, target tokens).
+      count: records -> their counts, ``width`` each (a pair's input and target
+        tokens; a document's).
+      width: counts per example.
     """
     if path.exists():
         lengths = np.load(io.BytesIO(path.read_bytes()))
-        if lengths.shape == (num_examples, 2):
+        if lengths.shape == (num_examples, width):
             return lengths
-    lengths = np.empty((num_examples, 2), np.int32)
+    lengths = np.empty((num_examples, width), np.int32)
     for start in range(0, num_examples, _LENGTH_CHUNK):
         indices = range(start, min(num_examples, start + _LENGTH_CHUNK))
-        lengths[start : start + len(indices)] = [count(r) for r in read(indices)]
+        lengths[start : start + len(indices)] = np.reshape(count(read(indices)), (-1, width))
     buffer = io.BytesIO()
     np.save(buffer, lengths)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,23 @@
-"""Tokenizers of the translation pipeline: SentencePiece, and a trivial one for benchmarks.
+"""Tokenizers: SentencePiece models trained on a run's data, and existing ones used as
+they are.
 
-Every tokenizer uses the same special ids, which the model and the loss rely on:
+Translation (:class:`Vocab`: :class:`SentencePieceVocab`, and a trivial one for
+benchmarks) uses the same special ids, which the model and the loss rely on:
 PAD = 0 (also the value of padding rows and positions), EOS = 1 (appended by
 `encode`, ends `decode`), UNK = 2. There is no BOS: the decoder's start token
 comes from shifting targets right, which inserts PAD.
+
+Language models (:class:`TextTokenizer`) take a tokenizer as it comes: a SentencePiece
+``.model`` (trained on the corpus with PAD 0, EOS 1, UNK 2, BOS 3 and, for masked
+language models, ``<mask>`` 4; or any other), or a Hugging Face ``tokenizer.json``
+(through the ``tokenizers`` library, its BOS and EOS from ``tokenizer_config.json``
+beside it). ``encode`` adds no special token: documents are joined as BOS, tokens,
+EOS by the pipeline (:mod:`trainer.input.language`).
 """
 
 import contextlib
 import io
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
@@ -23,6 +33,8 @@ PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
 FIRST_REGULAR_ID = 3
+BOS_ID = 3  # language models' SentencePiece only (translation's has none)
+MASK_PIECE = "<mask>"  # masked language models' SentencePiece only
 # Fixed rather than os.cpu_count(): the trained model depends on the thread
 # count, and every machine must train the same vocabulary from the same text.
 _TRAINER_THREADS = 8
@@ -124,13 +136,22 @@ class SyntheticVocab:
         return " ".join(str(i) for i in _until_eos(ids))
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, description: str) -> bytes:
+def train_sentencepiece(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    description: str,
+    bos: bool = False,
+    symbols: tuple[str, ...] = (),
+) -> bytes:
     """Trains a unigram SentencePiece model with the pipeline's special ids.
 
     Args:
       texts: Training sentences; all of them are used (sample them beforehand).
       vocab_size: Exact size of the vocabulary, special ids included.
       description: Names the training data in error messages.
+      bos: also a BOS piece, id 3 (language models).
+      symbols: pieces of their own after those (``<mask>``), ids 4, 5, ...
 
     Returns:
       The serialized model.
@@ -148,7 +169,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, description: s
             pad_id=PAD_ID,
             eos_id=EOS_ID,
             unk_id=UNK_ID,
-            bos_id=-1,
+            bos_id=BOS_ID if bos else -1,
+            user_defined_symbols=list(symbols),
             # Keep every character: translation must reproduce rare letters.
             character_coverage=1.0,
             # The caller already sampled; SentencePiece's own sampling is not
@@ -183,6 +205,31 @@ def _publish_locally(vocab_path: str, model_proto: bytes) -> None:
         os.unlink(tmp_path)
 
 
+def _trained(
+    vocab_path: str,
+    vocab_size: int,
+    training_texts: Callable[[], Iterable[str]],
+    description: str,
+    **options,
+) -> bytes:
+    """The SentencePiece model at ``vocab_path``, trained there first if it is missing
+    (``options`` of :func:`train_sentencepiece`)."""
+    path = storage.path(vocab_path)
+    if not path.exists():
+        # Minutes for WMT (seconds for the embedded data); once per vocabulary file.
+        with console.phase(f"training a {vocab_size}-piece vocabulary on {description}"):
+            model_proto = train_sentencepiece(
+                training_texts(), vocab_size, description=description, **options
+            )
+        if storage.is_remote(path):
+            # An object appears whole or not at all, and every process trains
+            # the same model from the same text: a plain write is enough.
+            path.write_bytes(model_proto)
+        else:
+            _publish_locally(str(path), model_proto)
+    return path.read_bytes()
+
+
 def load_or_train_sentencepiece(
     vocab_path: str,
     vocab_size: int,
@@ -211,18 +258,9 @@ def load_or_train_sentencepiece(
       ValueError: If an existing model is larger than `vocab_size` or has other
         special ids.
     """
-    path = storage.path(vocab_path)
-    if not path.exists():
-        # Minutes for WMT (seconds for the embedded data); once per vocabulary file.
-        with console.phase(f"training a {vocab_size}-piece vocabulary on {description}"):
-            model_proto = train_sentencepiece(training_texts(), vocab_size, description=description)
-        if storage.is_remote(path):
-            # An object appears whole or not at all, and every process trains
-            # the same model from the same text: a plain write is enough.
-            path.write_bytes(model_proto)
-        else:
-            _publish_locally(str(path), model_proto)
-    vocab = SentencePieceVocab(path.read_bytes(), source=vocab_path)
+    vocab = SentencePieceVocab(
+        _trained(vocab_path, vocab_size, training_texts, description), source=vocab_path
+    )
     if vocab.vocab_size > vocab_size:
         raise ConfigError(
             f"SentencePiece model {vocab_path} has {vocab.vocab_size} pieces but the config "
@@ -230,3 +268,155 @@ def load_or_train_sentencepiece(
             "or vocab_path."
         )
     return vocab
+
+
+# ------------------------------------------------------------ language models
+
+
+class TextTokenizer(Protocol):
+    """What a language model's pipeline and its generator need from a tokenizer.
+
+    Attributes:
+      vocab_size: ids the tokenizer may give (the model's table must hold them).
+      bos_id: begins every document (None: the tokenizer has none).
+      eos_id: ends every document, and generation.
+      mask_id: the masked language model's mask (None: none).
+      files: what a run keeps to load it again without its source (name -> bytes).
+      kind: ``"sentencepiece"`` or ``"huggingface"``.
+    """
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    mask_id: int | None
+    files: dict[str, bytes]
+    kind: str
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, no special token added."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` of each text (in parallel where the library can)."""
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids`` (special tokens left out)."""
+
+
+SPM_FILE = "tokenizer.model"
+HF_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``.model`` as a :class:`TextTokenizer`: its own special ids."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_proto: bytes, *, source: str = "<in memory>"):
+        try:
+            self._processor = spm.SentencePieceProcessor(model_proto=model_proto)
+        except RuntimeError as e:
+            raise ConfigError(f"{source} is not a SentencePiece model ({e})") from None
+        self.files = {SPM_FILE: model_proto}
+        self.vocab_size = self._processor.vocab_size()
+        self.bos_id = _id_or_none(self._processor.bos_id())
+        self.eos_id = _id_or_none(self._processor.eos_id())
+        mask = self._processor.piece_to_id(MASK_PIECE)
+        self.mask_id = None if mask == self._processor.unk_id() else mask
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._processor.encode(texts, num_threads=_TRAINER_THREADS)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        specials = {self.bos_id, self.eos_id, self._processor.pad_id()}
+        return self._processor.decode([int(i) for i in ids if int(i) not in specials])
+
+
+class HfTokenizer:
+    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) as a :class:`TextTokenizer`;
+    BOS, EOS and the mask from ``tokenizer_config.json`` beside it, where it names them."""
+
+    kind = "huggingface"
+
+    def __init__(self, files: dict[str, bytes], *, source: str):
+        import tokenizers  # noqa: PLC0415  (only for Hugging Face tokenizers)
+
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
+        except Exception as e:  # noqa: BLE001  (the library's errors: not a tokenizer.json)
+            raise ConfigError(f"{source} is not a Hugging Face tokenizer.json ({e})") from None
+        self.files = dict(files)
+        settings = json.loads(files.get("tokenizer_config.json", b"{}") or b"{}")
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._special(settings.get("bos_token"))
+        self.eos_id = self._special(settings.get("eos_token"))
+        self.mask_id = self._special(settings.get("mask_token"))
+
+    def _special(self, token) -> int | None:
+        if isinstance(token, dict):  # {"content": "<s>", ...}, as older configs write it
+            token = token.get("content")
+        return None if not token else self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _id_or_none(i: int) -> int | None:
+    return None if i < 0 else i
+
+
+def load_text_tokenizer(location: str | os.PathLike) -> TextTokenizer:
+    """The tokenizer at ``location``: a SentencePiece ``.model``, a Hugging Face
+    ``tokenizer.json``, or a directory holding either (a Hugging Face model's, a run's,
+    an export's).
+
+    Raises:
+      ConfigError: nothing there is a tokenizer.
+    """
+    path = storage.path(location)
+    if path.is_dir():
+        for name in (HF_FILES[0], SPM_FILE):
+            if (path / name).exists():
+                return load_text_tokenizer(path / name)
+        raise ConfigError(f"{path} holds no tokenizer: expected {HF_FILES[0]} or {SPM_FILE} in it")
+    if not path.exists():
+        raise ConfigError(f"no tokenizer at {path}")
+    if path.name.endswith(".json"):
+        files = {"tokenizer.json": path.read_bytes()}
+        if (settings := path.parent / "tokenizer_config.json").exists():
+            files["tokenizer_config.json"] = settings.read_bytes()
+        return HfTokenizer(files, source=str(path))
+    return SentencePieceTokenizer(path.read_bytes(), source=str(path))
+
+
+def tokenizer_from_files(files: dict[str, bytes], source: str) -> TextTokenizer:
+    """A tokenizer from the files a run kept (:attr:`TextTokenizer.files`)."""
+    if "tokenizer.json" in files:
+        return HfTokenizer(files, source=source)
+    if SPM_FILE in files:
+        return SentencePieceTokenizer(files[SPM_FILE], source=source)
+    raise ConfigError(f"{source} keeps no tokenizer ({', '.join(HF_FILES)} or {SPM_FILE})")
+
+
+def train_text_tokenizer(
+    path: str,
+    vocab_size: int,
+    texts: Callable[[], Iterable[str]],
+    *,
+    description: str,
+    mask: bool = False,
+) -> SentencePieceTokenizer:
+    """The SentencePiece model at ``path``, trained on ``texts()`` first if missing
+    (PAD 0, EOS 1, UNK 2, BOS 3, and ``<mask>`` 4 with ``mask``)."""
+    model = _trained(
+        path, vocab_size, texts, description, bos=True, symbols=(MASK_PIECE,) if mask else ()
+    )
+    return SentencePieceTokenizer(model, source=path)

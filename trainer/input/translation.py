@@ -165,7 +165,7 @@ def make_translation_data(data_config: Any, opts: DataOptions) -> TranslationDat
         packing.lengths_path(vocab_path, opts.name, split),
         len(train_source),
         functools.partial(_read, train_source),
-        tokenize.count,
+        lambda records: [tokenize.count(r) for r in records],
     )
     plan = packing.RowPlan(lengths, tr.max_length, tr.pack, opts.seed, opts.name)
     train = feed.TrainBatches(TrainBatchFn(train_source, tokenize, plan, opts, tr), opts)

@@ -173,8 +173,9 @@ class MetricWriter:
                 f"mem {in_use:.2f} GiB (peak {scalars['memory/peak_bytes_in_use'] / 2**30:.2f})"
             )
         parts += [f"{k} {v:.4g}" for k, v in scalars.items() if k.startswith("eval/")]
-        eta_s = (total - step) / max(scalars.get("steps_per_sec", 0.0), 1e-9)
-        parts.append(f"ETA {console.duration(eta_s) if math.isfinite(eta_s) else '?'}")
+        if scalars.get("steps_per_sec"):  # none before the first step (eval_at_start)
+            eta_s = (total - step) / scalars["steps_per_sec"]
+            parts.append(f"ETA {console.duration(eta_s) if math.isfinite(eta_s) else '?'}")
         console.say(" | ".join(parts) + (f" ({note})" if note else ""))
         for sample in samples:
             console.say(f"  sample: {sample}")

@@ -17,9 +17,16 @@ from typing import Any
 import ml_collections
 
 from trainer.errors import ConfigError
-from trainer.input import imagenet, movielens, pipelines
+from trainer.input import imagenet, language, movielens, pipelines
+from trainer.input import tokenizer as tokenizer_lib
 from trainer.input import translation as translation_data
-from trainer.tasks import classification, recommendation, translation
+from trainer.tasks import (
+    classification,
+    language_model,
+    masked_lm,
+    recommendation,
+    translation,
+)
 from trainer.tasks.base import REPLICAS, Task
 
 __all__ = ["REPLICAS", "Task", "make_task", "open_data", "run_file_names"]
@@ -44,6 +51,16 @@ FAMILIES = {
     ),
     "resnet": Family(classification.make_task, imagenet.make_image_data),
     "ncf": Family(recommendation.make_task, movielens.make_movielens_data),
+    "decoder": Family(
+        language_model.make_task,
+        language.make_language_data,
+        (tokenizer_lib.SPM_FILE, *tokenizer_lib.HF_FILES),
+    ),
+    "bert": Family(
+        masked_lm.make_task,
+        language.make_language_data,
+        (tokenizer_lib.SPM_FILE, *tokenizer_lib.HF_FILES),
+    ),
 }
 
 

@@ -8,12 +8,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import traverse_util
 
 from models import decode as decode_lib
 from models import losses, stacking, transformer
@@ -107,20 +105,9 @@ def make_task(
 
     def init_fn(rng, batch):
         args = ({"params": rng}, batch["inputs"], batch["targets"])
-        variables = per_layer.init(*args, **packing(batch))
         if not cfg.scan_layers:
-            return variables
-        boxed = jax.eval_shape(functools.partial(model.init, **packing(batch)), *args)["params"]
-        wanted = traverse_util.flatten_dict(nn.unbox(boxed), sep="/")
-        values = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
-        stacked = stacking.assemble(stacking.match(wanted, values), values)
-        # The scanned tree's boxes keep the logical axis names ("layers", ...).
-        flat_boxes = traverse_util.flatten_dict(boxed, sep="/")
-        return {
-            "params": traverse_util.unflatten_dict(
-                {n: box.replace_boxed(stacked[n]) for n, box in flat_boxes.items()}, sep="/"
-            )
-        }
+            return per_layer.init(*args, **packing(batch))
+        return stacking.init_like_unscanned(model, per_layer, *args, **packing(batch))
 
     def loss_fn(variables, batch, rng, train):
         logits = (model if train else eval_model).apply(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,8 @@ def make_evaluator(model: experiment_lib.Model) -> Callable[[Any], Evaluation]:
                 faults.point("eval")
             weight = max(totals.pop("weight", 0.0), 1e-9)
             out = {f"eval/{k}": v / weight for k, v in totals.items()}
+            if "eval/nll" in out:  # per token of the run's tokenizer
+                out["eval/perplexity"] = math.exp(min(out["eval/nll"], 700.0))
             samples = ()
             if task.evaluate_extra is not None:
                 extra = task.evaluate_extra(variables, to_global, to_local)

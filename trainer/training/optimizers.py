@@ -35,7 +35,9 @@ def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> op
             return peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(count + warmup, 1))
 
     elif name == "cosine":
-        decay = optax.cosine_decay_schedule(peak, max(num_train_steps - warmup, 1))
+        # To end_learning_rate (Llama's runs end at a tenth of the peak), not to 0.
+        alpha = config.end_learning_rate / peak if peak else 0.0
+        decay = optax.cosine_decay_schedule(peak, max(num_train_steps - warmup, 1), alpha)
     elif name == "polynomial":
         decay = optax.polynomial_schedule(
             peak, config.end_learning_rate, config.power, max(num_train_steps - warmup, 1)

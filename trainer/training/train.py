@@ -174,6 +174,8 @@ def _train(
     divergence = metrics_lib.LossGrowthWatch(config.loss_growth_warning)
     window = _window(exp, step, resumed_at)
     report.first_step = report.last_step = step
+    if config.eval_at_start and step == 0 and config.eval_every_steps > 0:
+        _evaluate_start(state, evaluate, writer, report, total)
     if step < total and not run.should_stop():
         batch, position = feed.next(min(k_max, total - step))
         compiled_loop(min(k_max, total - step))
@@ -275,6 +277,14 @@ def _evaluates(config: ml_collections.ConfigDict, step: int) -> bool:
     the end (``eval_every_steps=0``: never, not even at the end)."""
     every = config.eval_every_steps
     return every > 0 and (step == config.num_train_steps or step % every == 0)
+
+
+def _evaluate_start(state, evaluate, writer, report, total: int) -> None:
+    """The evaluation of the initial parameters: row 0 (``eval_at_start``)."""
+    with report.timing("eval"):
+        result = evaluate(state)
+    writer.write(0, result.metrics, samples=result.samples)
+    writer.progress(0, total, result.metrics, samples=result.samples)
 
 
 def _every(every: int, step: int) -> bool:

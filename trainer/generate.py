@@ -1,0 +1,90 @@
+"""``python -m trainer.generate --workdir DIR [--step S] [--max_new_tokens N] [--temperature T]
+[--top_k K] [--top_p P] [--seed S] [--batch_size B] [--cpu_devices N] < prompts.txt > out.txt``.
+
+One prompt a line in, its continuation a line out (an empty prompt is continued from
+BOS alone; a newline the model writes becomes a space and a line that is not UTF-8
+gets an empty continuation and a warning, so that the output keeps one line per
+input line), with a language-model run's tokenizer and the parameters of one
+checkpoint (the newest by default; the optimizer state is not read), or of an export
+(``--workdir`` names it). Greedy by default (``--temperature 0``); a positive
+temperature samples, ``--top_k`` and ``--top_p`` narrow the choice, and ``--seed``
+makes the samples repeatable. A summary (step, compile time, tokens/s) goes to stderr.
+
+Example:
+python -m trainer.generate --workdir /tmp/lm --max_new_tokens 24 < prompts.txt
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from trainer import console
+from trainer.command import cli, process, run_flags
+
+_MAX_LINE_WARNINGS = 10  # then a count
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (python -m trainer's --workdir), or an export."
+)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; else sample at it.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
+_TOP_P = flags.DEFINE_float(
+    "top_p", 1.0, "Sample from the most likely tokens whose probabilities reach p (1: all)."
+)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the samples (the same seed: the same samples).")
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", 16, "Prompts generated together (rounded up to a multiple of the devices)."
+)
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
+
+
+def main(argv: list[str]) -> None:
+    cli.reject_arguments(argv)
+    # stdout is the continuations'; what it is doing goes to stderr.
+    process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
+    console.say(f"generating with {_WORKDIR.value}")
+    from trainer.inference import generator, loading, translator  # noqa: PLC0415  (JAX, Flax)
+
+    config = run_flags.config_value()
+    if sys.stdin is None:
+        cli.fail("stdin is closed: give the prompts on it, one a line (... < prompts.txt)")
+    with cli.clear_errors():  # before stdin is read: a wrong --workdir fails at once
+        loading.require_family(config, "decoder")
+    lines, unreadable = translator.read_lines(sys.stdin.buffer.read())
+    readable = [i for i, line in enumerate(lines) if line is not None]
+    with cli.clear_errors():
+        model = generator.Generator.load(_WORKDIR.value, step=_STEP.value, config=config)
+        continued, report = model.generate_with_report(
+            [lines[i] for i in readable],
+            max_new_tokens=_MAX_NEW_TOKENS.value,
+            temperature=_TEMPERATURE.value,
+            top_k=_TOP_K.value,
+            top_p=_TOP_P.value,
+            seed=_SEED.value,
+            batch_size=_BATCH_SIZE.value,
+        )
+    out = [""] * len(lines)
+    for i, text in zip(readable, continued, strict=True):
+        out[i] = " ".join(text.splitlines())
+    sys.stdout.write("".join(line + "\n" for line in out))
+    sys.stdout.flush()
+    for i, why in unreadable[:_MAX_LINE_WARNINGS]:
+        console.warn(f"input line {i + 1} {why}: its continuation is left empty")
+    if len(unreadable) > _MAX_LINE_WARNINGS:
+        console.warn(f"{len(unreadable) - _MAX_LINE_WARNINGS} more input lines left empty")
+    how = "greedy" if _TEMPERATURE.value <= 0 else f"sampled at temperature {_TEMPERATURE.value:g}"
+    print(
+        f"generated {report.tokens} tokens for {report.prompts} prompts with checkpoint "
+        f"{report.step if report.step is not None else '(export)'} of {_WORKDIR.value}, {how}: "
+        f"{report.generate_s:.2f}s ({report.tokens_per_sec:.1f} tokens/s) after "
+        f"{report.compile_s:.1f}s of compiling",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    process.run(main, flags_parser=run_flags.parse_flags)

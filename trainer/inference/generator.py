@@ -1,0 +1,280 @@
+"""A trained language model as a Python object: :class:`Generator`.
+
+Load one from a run's work directory (a checkpoint's parameters; the optimizer state
+is not read) or from an export (``python -m trainer.export``), then continue
+prompts::
+
+    from trainer import Generator
+
+    model = Generator.load("/tmp/lm")       # or an export's directory
+    model.generate(["the big dog sees a cat =>"], max_new_tokens=24)
+    model.generate(prompts, temperature=0.8, top_p=0.95, seed=1)   # sampled
+
+``python -m trainer.generate`` is this class over stdin and stdout. Prompts are
+tokenized (``BOS`` first, as the run's documents begin), sorted by length and run
+``batch_size`` at a time, left-padded to a power of two and split over the
+data-parallel devices (one compiled program per length, kept for the next call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from etils import epath
+
+from models import decoder, generate
+from trainer import console, tasks
+from trainer.errors import ConfigError, UserError
+from trainer.inference import loading
+from trainer.input import tokenizer as tokenizer_lib
+from trainer.parallel import batches
+from trainer.parallel import mesh as mesh_lib
+from trainer.tasks import language_model
+from trainer.workdir import storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What a generation call did: checkpoint step, prompts, tokens generated, and the
+    seconds spent compiling and generating."""
+
+    step: int | None
+    prompts: int
+    tokens: int
+    compile_s: float
+    generate_s: float
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / max(self.generate_s, 1e-9)
+
+
+class Generator:
+    """A trained decoder with its tokenizer, on this process's devices.
+
+    Attributes:
+      config: the run's config; step: the checkpoint's step (None for an export);
+      source: where the parameters came from; tokenizer: the run's tokenizer.
+    """
+
+    def __init__(self, trained: loading.Trained, tokenizer: tokenizer_lib.TextTokenizer):
+        self.config, self.step, self.source = trained.config, trained.step, trained.source
+        self.tokenizer = tokenizer
+        self._trained = trained
+        cfg = language_model.model_config(trained.config)
+        eval_dtype = jnp.dtype(trained.config.eval_dtype)
+        self._model = decoder.Decoder(dataclasses.replace(cfg, decode=True, dtype=eval_dtype))
+        self.max_len = cfg.max_len
+        self._compiled: dict = {}
+
+    @classmethod
+    def load(
+        cls,
+        path: str | epath.PathLike,
+        *,
+        step: int | None = None,
+        config: ml_collections.ConfigDict | None = None,
+    ) -> Generator:
+        """The model of a run's work directory (checkpoint ``step``, default the newest)
+        or of an export.
+
+        Raises:
+          ConfigError: not a decoder run, or a run of more than one process.
+          CheckpointError: no such checkpoint, or it cannot be read.
+          UserError: ``path`` is neither a work directory nor an export.
+        """
+        directory = storage.path(path)
+        config = loading.read_config(directory) if config is None else config
+        loading.require_family(config, "decoder")
+        files = {
+            name: (directory / name).read_bytes()
+            for name in tasks.run_file_names(config)
+            if (directory / name).exists()
+        }
+        tokenizer = tokenizer_lib.tokenizer_from_files(files, str(directory))
+        return cls(loading.load(directory, family="decoder", step=step, config=config), tokenizer)
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        batch_size: int = 16,
+    ) -> list[str]:
+        """The continuation of each prompt, in order (up to EOS, which is left out).
+
+        Args:
+          max_new_tokens: tokens to generate at most per prompt.
+          temperature: 0 (the default) is greedy; else sampled at this temperature.
+          top_k: sample from the k most likely tokens only (0: all).
+          top_p: sample from the most likely tokens whose probabilities reach p (1: all).
+          seed: of the samples: the same seed gives the same continuations.
+          batch_size: prompts generated together (rounded up to the devices).
+
+        Raises:
+          UserError: ``prompts`` is one string or holds something else than strings, a
+            prompt does not fit the model's context with ``max_new_tokens``, or a
+            sampling setting out of range.
+        """
+        return self.generate_with_report(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            batch_size=batch_size,
+        )[0]
+
+    def generate_with_report(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        batch_size: int = 16,
+    ) -> tuple[list[str], Report]:
+        """:meth:`generate`, and a :class:`Report` of what it did."""
+        prompts = loading.texts(prompts, "prompts")
+        sampling = generate.Sampling(temperature, top_k, top_p)
+        _check(sampling, max_new_tokens, batch_size)
+        encoded = [self._encode(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+        rows = self._rows(batch_size)
+        out: list[str] = [""] * len(prompts)
+        produced, compile_s = 0, 0.0
+        start = time.perf_counter()
+        with (
+            self._context(),
+            console.progress(total=len(prompts), desc="generating", unit="prompts") as progress,
+        ):
+            for first in range(0, len(order), rows):
+                chunk = order[first : first + rows]
+                width = _bucket(len(encoded[chunk[0]]))
+                tokens, pad, index = _left_padded([encoded[i] for i in chunk], chunk, rows, width)
+                before = time.perf_counter()
+                program = self._program(rows, width, max_new_tokens, sampling)
+                compile_s += time.perf_counter() - before
+                result = np.asarray(
+                    program(
+                        self._trained.params,
+                        *(self._put(a) for a in (tokens, pad, index)),
+                        jax.random.PRNGKey(seed),
+                    )
+                )
+                for r, i in enumerate(chunk):
+                    ids = _until_eos(result[r], self.tokenizer.eos_id)
+                    produced += len(ids)
+                    out[i] = self.tokenizer.decode(ids)
+                progress.update(len(chunk))
+        seconds = time.perf_counter() - start - compile_s
+        return out, Report(self.step, len(prompts), produced, compile_s, seconds)
+
+    # -------------------------------------------------------------- helpers
+    def _encode(self, index: int, prompt: str, max_new_tokens: int) -> list[int]:
+        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        ids = bos + self.tokenizer.encode(prompt)
+        if len(ids) + max_new_tokens > self.max_len:
+            raise UserError(
+                f"prompt {index} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} "
+                f"that is more than the model's context, model.max_len={self.max_len} "
+                f"(at most {self.max_len - max_new_tokens} prompt tokens)"
+            )
+        return ids
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        model = self._trained.model
+        with jax.set_mesh(model.mesh), nn.logical_axis_rules(model.rules):
+            yield
+
+    def _rows(self, batch_size: int) -> int:
+        devices = mesh_lib.data_parallel_size(self._trained.model.mesh)
+        return -(-batch_size // devices) * devices
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, batches.sharding(self._trained.model.mesh))
+
+    def _program(self, rows: int, width: int, max_new_tokens: int, sampling: generate.Sampling):
+        key = (rows, width, max_new_tokens, sampling)
+        if key not in self._compiled:
+            fn = jax.jit(
+                functools.partial(
+                    generate.generate,
+                    self._model,
+                    max_new_tokens=max_new_tokens,
+                    eos_id=self.tokenizer.eos_id,
+                    sampling=sampling,
+                )
+            )
+            sharding = batches.sharding(self._trained.model.mesh)
+            specs = [
+                jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+                for shape in ((rows, width), (rows,), (rows,))
+            ]
+            with console.phase(f"compiling the generator for prompts of {width} tokens"):
+                lowered = fn.lower(
+                    self._trained.params,
+                    specs[0],
+                    specs[1],
+                    seed=jax.random.PRNGKey(0),
+                    rows=specs[2],
+                )
+                self._compiled[key] = lowered.compile()
+        compiled = self._compiled[key]
+        return lambda params, tokens, pad, index, seed: compiled(
+            params, tokens, pad, seed=seed, rows=index
+        )
+
+
+def _check(sampling: generate.Sampling, max_new_tokens: int, batch_size: int) -> None:
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} and batch_size={batch_size}: >= 1")
+    if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
+        raise ConfigError(
+            f"temperature={sampling.temperature} must be >= 0, top_k={sampling.top_k} >= 0 "
+            f"and top_p={sampling.top_p} in (0, 1]"
+        )
+
+
+def _bucket(length: int) -> int:
+    """The padded prompt length: the next power of two, at least 8."""
+    return max(8, 1 << (length - 1).bit_length())
+
+
+def _left_padded(prompts: list[list[int]], indices: list[int], rows: int, width: int):
+    """``(tokens, pad, index)``: the prompts at the right of [rows, width] int32 (rows
+    past the prompts are padding rows of one token), how much each row is padded, and
+    each row's index among the caller's prompts."""
+    tokens = np.zeros((rows, width), np.int32)
+    pad = np.full((rows,), width - 1, np.int32)
+    index = np.zeros((rows,), np.int32)
+    for r, (ids, i) in enumerate(zip(prompts, indices, strict=True)):
+        tokens[r, width - len(ids) :] = ids
+        pad[r], index[r] = width - len(ids), i
+    return tokens, pad, index
+
+
+def _until_eos(ids: np.ndarray, eos: int) -> list[int]:
+    out = []
+    for token in ids.tolist():
+        if token == eos:
+            break
+        out.append(token)
+    return out
