@@ -2,7 +2,7 @@
 
 MLPerf v0.7's BERT (Kumar et al. 2020, "Exploring the limits of concurrency in ML
 training on Google TPUs", section 4.1): BERT-large (24 layers, hidden 1024, 16 heads,
-feed-forward 4096, 30,522 uncased WordPiece ids: 335,174,682 parameters with the
+feed-forward 4096, 30,522 uncased WordPiece ids: 335,174,458 parameters with the
 masked-LM head, as Hugging Face's BertForMaskedLM counts them), rows of 512 tokens
 with at most 76 masked, LAMB (You et al. 2019), and data parallelism only, weight
 updates sharded: on 4,096 TPU-v3 chips, 2 rows a chip (their Figure 8), a global batch

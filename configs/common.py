@@ -163,7 +163,23 @@ def variant_parts(variant: str, known: Iterable[str]) -> set[str]:
     Raises:
       ValueError: naming the parts not in ``known`` and the ones that are.
     """
-    parts = set(variant.split(",")) - {""}
-    if unknown := parts - set(known):
-        raise ValueError(f"unknown variant {sorted(unknown)} (expected {', '.join(known)})")
+    parts, options = variant_options(variant, known, ())
     return parts
+
+
+def variant_options(
+    variant: str, known: Iterable[str], options: Iterable[str]
+) -> tuple[set[str], dict[str, str]]:
+    """The comma-separated parts of ``variant``, and its ``key=value`` parts for the
+    keys ``options`` names (the CLI's ``:tiny,hf=/models/llama``).
+
+    Raises:
+      ValueError: naming the parts not in ``known`` (or keys not in ``options``).
+    """
+    parts = set(variant.split(",")) - {""}
+    given = dict(p.split("=", 1) for p in parts if "=" in p)
+    parts -= {p for p in parts if "=" in p}
+    expected = ", ".join([*known, *(f"{o}=..." for o in options)])
+    if unknown := sorted(parts - set(known)) + sorted(set(given) - set(options)):
+        raise ValueError(f"unknown variant {unknown} (expected {expected})")
+    return parts, given

@@ -19,9 +19,16 @@ SentencePiece vocabulary trained on it:
   python -m trainer --config configs/llama.py:text --workdir /tmp/mylm --cpu_devices 8 \\
       [--config.data.train_files=/my/texts/*.txt --config.data.eval_files=/my/eval.txt]
 
+A Hugging Face model you have on disk (Llama, Mistral or Qwen2: config.json,
+*.safetensors and the tokenizer files), fine-tuned on your own text: the model is
+built from its config.json, starts from its weights and tokenizes with its tokenizer:
+
+  python -m trainer --config configs/llama.py:hf=/models/Llama-3.2-1B --workdir /tmp/ft \
+      --config.data.train_files=/my/texts/*.jsonl --config.data.eval_files=/my/eval.jsonl
+
 Variants, combinable with commas (``:llama3-8b,synthetic``): ``tiny``, ``text``,
 ``llama3.2-1b``, ``llama3-8b``, ``llama3-70b``, ``synthetic`` (random tokens: no data,
-for trainer.bench and trainer.aot).
+for trainer.bench and trainer.aot), and ``hf=DIR`` (a Hugging Face model directory).
 """
 
 import os
@@ -29,10 +36,11 @@ import os
 import ml_collections
 
 from configs import common
+from trainer.hf import config as hf_config
 
 VARIANTS = {
     "tiny": "a 2-layer decoder on the embedded tiny_text corpus (~2 min on 2 CPU cores)",
-    "text": "the tiny decoder on files of your own text: examples/text/ (or yours)",
+    "text": "a small decoder on files of your own text: examples/text/ (or yours)",
     "llama3.2-1b": "Llama 3.2 1B: 16 layers, d 2048, 32/8 heads, 1,235,814,400 parameters",
     "llama3-8b": "Llama 3 8B: 32 layers, d 4096, 32/8 heads, 8,030,261,248 parameters",
     "llama3-70b": "Llama 3 70B: 80 layers, d 8192, 64/8 heads, 70,553,706,496 parameters",
@@ -103,6 +111,7 @@ def model_section(**overrides) -> ml_collections.ConfigDict:
             rope_original_context=8192,  # the context RoPE was trained at
             rms_norm_eps=1e-5,  # the RMSNorms' epsilon
             qkv_bias=False,  # biases on the query, key and value projections (Qwen2)
+            sliding_window=0,  # attend to this many tokens up to each (Mistral); 0 = all
             mlp_activation="swiglu",  # swiglu (Llama) | relu (one matrix in, one out)
             parallel_block=False,  # attention and MLP side by side on one norm (PaLM)
             tie_embeddings=True,  # the output table is the input table
@@ -147,7 +156,7 @@ def data_section(name: str = "text_files", **overrides) -> ml_collections.Config
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
-    parts = common.variant_parts(variant, VARIANTS)
+    parts, options = common.variant_options(variant, VARIANTS, ("hf",))
     config = common.base_config()
     # A Llama run's batch (Touvron et al. 2023, Llama 2, section 2.2: 4M tokens a step):
     # 512 rows of 8,192 tokens (Llama 3's context).
@@ -224,6 +233,22 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             train_files=os.path.normpath(os.path.join(SAMPLE_TEXT, "train", "*")),
             eval_files=os.path.normpath(os.path.join(SAMPLE_TEXT, "eval.jsonl")),
         )
+        # Twice as deep and wide, and longer, than tiny: enough to learn the sample's
+        # translations word for word (a greedy continuation then gives them; tiny's
+        # gets their grammar), in about 4 minutes on 2 CPU cores.
+        config.global_batch_size = 64
+        config.num_train_steps = 800
+        config.eval_every_steps = 400
+        config.checkpoint_every_steps = 400
+        config.model.update(num_layers=4, emb_dim=128, head_dim=32, mlp_dim=384)
+    if "hf" in options:
+        # The model's own sizes (config.json, mapped or refused field by field), weights
+        # and tokenizer (tokenizer.json through the tokenizers library, or tokenizer.model).
+        directory = options["hf"]
+        config.model.update(hf_config.read_model_keys(directory))
+        config.init_from = directory
+        config.data.tokenizer = directory
+        config.data.max_length = min(config.data.max_length, config.model.max_len)
     if "synthetic" in parts:
         config.data.name = "synthetic"
         config.data.worker_count = 0  # Random ids cost nothing to make.

@@ -54,6 +54,8 @@ class DecoderConfig:
       rope_scaling: Llama 3.1's frequency scaling, or None.
       rms_norm_eps: the norms' epsilon.
       qkv_bias: biases on the query, key and value projections (Qwen2).
+      sliding_window: a token attends to the ``sliding_window`` tokens up to itself
+        only (Mistral 7B v0.1's 4096); 0 = to all before it.
       mlp_activation: ``"swiglu"`` (gated: Llama's), or ``"relu"`` (one matrix in,
         one out: the PaLM-like model MaxText measured its MFU tables on).
       parallel_block: attention and MLP both read one norm of the layer's input and
@@ -80,6 +82,7 @@ class DecoderConfig:
     rope_scaling: rope.Llama3Scaling | None = None
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
+    sliding_window: int = 0
     mlp_activation: str = "swiglu"
     parallel_block: bool = False
     tie_embeddings: bool = True
@@ -104,12 +107,14 @@ class DecoderConfig:
             raise ValueError(f"mlp_activation={self.mlp_activation!r}: swiglu or relu")
 
 
-def causal_mask(segment_ids: Array) -> Array:
+def causal_mask(segment_ids: Array, window: int = 0) -> Array:
     """bool [batch, 1, 1, length, length]: a token sees the tokens before it (and
-    itself) of its own document; padding (segment 0) sees nothing."""
+    itself) of its own document, the last ``window`` of them (0: all); padding
+    (segment 0) sees nothing."""
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     length = segment_ids.shape[1]
-    earlier = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    distance = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+    earlier = (distance >= 0) & ((distance < window) if window else True)
     return (same & earlier & (segment_ids > 0)[:, :, None])[:, None, None]
 
 
@@ -266,7 +271,7 @@ class Decoder(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         if mask is None and not cfg.decode:
             segments = jnp.ones_like(ids) if segment_ids is None else segment_ids
-            mask = causal_mask(segments)
+            mask = causal_mask(segments, cfg.sliding_window)
         x = nn.with_logical_constraint(self.token_embedding(ids), _EMBED_ACT)
         if cfg.scan_layers:
             x, _ = self.layers(x, positions, mask)

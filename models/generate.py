@@ -102,6 +102,8 @@ def generate(
         visible = (slot[None, None, :] >= pad[:, None, None]) & (
             slot[None, None, :] <= query[None, :, None]
         )
+        if model.config.sliding_window:
+            visible &= slot[None, None, :] > query[None, :, None] - model.config.sliding_window
         positions = query[None, :] - pad[:, None]
         logits, updated = model.apply(
             {"params": params, "cache": cache},

@@ -10,6 +10,7 @@ stops before or right after building the model, so they are short).
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,17 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
 
     def trainer(name: str, **overrides) -> list[str]:
         return tiny_command(os.path.join(tmp, name), data, **overrides)
+
+    def lm(name: str, **overrides) -> list[str]:
+        flags = [f"--config.{key}={value}" for key, value in overrides.items()]
+        return python(
+            "trainer",
+            "--config=configs/llama.py:text",
+            f"--workdir={os.path.join(tmp, name)}",
+            f"--config.data.data_dir={data}",
+            "--cpu_devices=8",
+            *flags,
+        )
 
     return {
         "no config file": (
@@ -215,6 +227,34 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
             trainer("own", init_from=os.path.join(tmp, "own")),
             f"init_from={os.path.join(tmp, 'own')} is this run's own work directory",
         ),
+        # A language model's input, as a user gets it wrong.
+        "an empty corpus": (
+            lm("lm1", **{"data.train_files": os.path.join(tmp, "empty.txt")}),
+            f"data.train_files: no usable document in {tmp}/empty.txt",
+        ),
+        "a glob that matches nothing": (
+            lm("lm2", **{"data.train_files": os.path.join(tmp, "nothing*.jsonl")}),
+            f"data.train_files: no file matches {tmp}/nothing*.jsonl",
+        ),
+        "a tokenizer that is not one": (
+            lm("lm3", **{"data.tokenizer": afile}),
+            f"{afile} is not a SentencePiece model",
+        ),
+        "rows longer than the model takes": (
+            lm("lm4", **{"data.max_length": 512}),
+            "data.max_length=512 is longer than the model takes, model.max_len=128",
+        ),
+        "key/value heads that do not divide the heads": (
+            lm("lm5", **{"model.num_kv_heads": 3}),
+            "model: num_kv_heads=3 must divide num_heads=4",
+        ),
+        "a tokenizer larger than the model's table": (
+            lm("lm6", **{"model.vocab_size": 100}),
+            "has 384 ids but model.vocab_size=100",
+        ),
+        # A Hugging Face model directory (tests/hf/ for the ones that work), damaged as
+        # downloads and hand edits damage them.
+        **_hugging_face_cases(tmp, lm),
         "bench loop length": (
             python(
                 "trainer.bench",
@@ -230,11 +270,87 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
     }
 
 
+def _hugging_face_cases(tmp: str, lm) -> dict[str, tuple[list[str], str]]:
+    hf = os.path.join(tmp, "hf")
+
+    def import_(name: str) -> list[str]:
+        command = lm(f"hf_{name}", num_train_steps=1)
+        return [*command[:3], f"--config=configs/llama.py:text,hf={hf}/{name}", *command[4:]]
+
+    return {
+        "a model directory without config.json": (
+            import_("noconfig"),
+            f"{hf}/noconfig is not a Hugging Face model directory: it has no config.json",
+        ),
+        "an architecture the importer does not take": (
+            import_("arch"),
+            f'{hf}/arch/config.json: architectures=["GPT2LMHeadModel"] is not supported',
+        ),
+        "a field that changes the computation": (
+            import_("act"),
+            f'{hf}/act/config.json: hidden_act="gelu" is not supported',
+        ),
+        "a missing safetensors shard": (
+            import_("shard"),
+            f"{hf}/shard/model.safetensors.index.json names model-00002-of-00004.safetensors, "
+            "which is missing",
+        ),
+        "a tensor of another shape than config.json says": (
+            import_("shape"),
+            "tensor model.layers.0.mlp.gate_proj.weight in model-00002-of-00004.safetensors has "
+            "shape (160, 64), but config.json makes it (192, 64)",
+        ),
+        "a tokenizer larger than the model's embedding": (
+            import_("vocab"),
+            f"the tokenizer {hf}/vocab/tokenizer.json has 512 ids but model.vocab_size=300",
+        ),
+        "an export over a directory that is not empty": (
+            [
+                sys.executable,
+                "-m",
+                "trainer.export",
+                f"--workdir={tmp}/mt",
+                "--format=hf",
+                f"--out={tmp}/ck",
+            ],
+            f"--out {tmp}/ck already exists and is not empty",
+        ),
+    }
+
+
+def _damaged_models(tmp: str) -> None:
+    """A random Llama saved by transformers in 4 shards, and copies damaged."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import make_hf_model  # noqa: PLC0415  (the tests/hf/ models' maker)
+
+    hf = os.path.join(tmp, "hf")
+    make_hf_model.make_model(os.path.join(hf, "base"), max_shard_size="200KB")
+
+    def damaged(name, remove=None, **fields):
+        shutil.copytree(os.path.join(hf, "base"), os.path.join(hf, name))
+        file = os.path.join(hf, name, "config.json")
+        with open(file) as f:
+            config = json.load(f) | fields
+        with open(file, "w") as f:
+            json.dump(config, f)
+        if remove:
+            os.remove(os.path.join(hf, name, remove))
+
+    damaged("noconfig", remove="config.json")
+    damaged("arch", architectures=["GPT2LMHeadModel"])
+    damaged("act", hidden_act="gelu")
+    damaged("shard", remove="model-00002-of-00004.safetensors")
+    damaged("shape", intermediate_size=192)
+    damaged("vocab", vocab_size=300)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case's result, run 3 at a time (most of their time is importing JAX)."""
     tmp = str(tmp_path_factory.mktemp("mistakes"))
     open(os.path.join(tmp, "afile"), "w").close()
+    with open(os.path.join(tmp, "empty.txt"), "w") as f:
+        f.write("\n\n")
     os.symlink("loop", os.path.join(tmp, "loop"))
     os.symlink(os.path.join(tmp, "gone"), os.path.join(tmp, "dangling"))
     os.makedirs(os.path.join(tmp, "ck"))
@@ -253,6 +369,7 @@ def results(tmp_path_factory):
     os.makedirs(os.path.join(tmp, "cut"))
     with open(os.path.join(tmp, "cut", "config.json"), "w") as f:
         f.write(transformer_1024.get_config("tiny").to_json_best_effort()[:100])
+    _damaged_models(tmp)
     cases = _cases(tmp)
     with ThreadPoolExecutor(3) as pool:
         done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))

@@ -272,7 +272,9 @@ def _per_step_cost(compiled, config, devices) -> tuple[dict, float]:
     start = time.perf_counter()
     if _scans_layers(config):
         twin = config.copy_and_resolve_references()
-        twin.model.scan_unroll = max(model.num_encoder_layers, model.num_decoder_layers)
+        # Unrolled: as many layers an iteration as the deepest stack has.
+        depths = [v for k, v in model.items() if k.startswith("num_") and k.endswith("layers")]
+        twin.model.scan_unroll = max(depths)
         exp = experiment.build(twin, devices=devices, with_data=False)
         compiled = experiment.compile_lowered(
             experiment.lower_loop(exp, twin.steps_per_loop), twin, xla_tpu_no_crash_on_oom=True

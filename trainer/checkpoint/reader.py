@@ -141,17 +141,18 @@ class CheckpointReader:
                 raise ValueError("its state has no metadata (an empty or cut step directory?)")
             return tree_lib.shapes(metadata["state"])
 
-    def restore_state_parts(self, step: int, target: dict) -> dict:
+    def restore_state_parts(self, step: int, target: dict, *, partial: bool = False) -> dict:
         """Reads only some entries of the train state of ``step`` (e.g. ``params`` and
         ``model_state``, not the optimizer state) into ``target``'s shardings; see
-        :func:`trainer.checkpoint.tree.restore_tree`.
+        :func:`trainer.checkpoint.tree.restore_tree`. ``partial``: some leaves of an
+        entry too (one parameter), the others not read.
 
         Raises:
           CheckpointMismatchError: naming the first leaf whose shape differs.
           CheckpointError: if it cannot be read.
         """
         saved = {k: v for k, v in self.state_metadata(step).items() if k in target}
-        mismatch = tree_lib.first_mismatch(target, saved)
+        mismatch = tree_lib.first_mismatch(target, saved, partial=partial)
         if mismatch:
             raise CheckpointMismatchError(
                 f"checkpoint {step} in {self.directory} does not fit this config: {mismatch[1]}"

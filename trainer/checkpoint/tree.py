@@ -18,13 +18,16 @@ from trainer.parallel.rules import param_name
 from trainer.workdir import storage
 
 
-def first_mismatch(abstract: Any, metadata: Any) -> tuple[str, str] | None:
+def first_mismatch(
+    abstract: Any, metadata: Any, *, partial: bool = False
+) -> tuple[str, str] | None:
     """The first leaf (parameters first) whose saved shape differs from the target's,
     or that only one of them has.
 
     Args:
       abstract: the target tree (leaves with a ``shape``).
       metadata: the saved tree's metadata (leaves with a ``shape``).
+      partial: the target is some of the saved leaves: leaves it lacks are fine.
 
     Returns:
       ``(leaf path, what differs)``, or None if every shape fits.
@@ -41,7 +44,7 @@ def first_mismatch(abstract: Any, metadata: Any) -> tuple[str, str] | None:
             return key, (
                 f"{key} has shape {shape} in the checkpoint but {tuple(wanted[key].shape)} here"
             )
-    extra = sorted(set(saved) - set(wanted))
+    extra = [] if partial else sorted(set(saved) - set(wanted))
     return (extra[0], f"the checkpoint has {extra[0]}, which this run does not") if extra else None
 
 

@@ -88,6 +88,8 @@ def load_config(value: str) -> ml_collections.ConfigDict:
     try:
         spec.loader.exec_module(module)
         config = module.get_config(variant) if colon else module.get_config()
+    except UserError as e:  # a mistake the project's code named (a model directory's)
+        raise UserError(f"--config {value}: {e}") from None
     except Exception as e:  # noqa: BLE001  (whatever the config file raised: the user's)
         raise UserError(f"--config {value}: {type(e).__name__}: {e}") from None
     if not isinstance(config, ml_collections.ConfigDict):

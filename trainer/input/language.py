@@ -163,6 +163,16 @@ class TextDocuments:
         return [with_specials(ids, self._tokenizer) for ids in encoded]
 
 
+def check_vocabulary(tokenizer, vocab_size: int) -> None:
+    """Raises ConfigError if ``tokenizer``'s ids would fall outside an embedding table
+    of ``vocab_size`` rows (a table larger than the tokenizer, as Qwen2's, is fine)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer {tokenizer.source} has {tokenizer.vocab_size:,} ids but "
+            f"model.vocab_size={vocab_size:,}: its ids would fall outside the embedding"
+        )
+
+
 def with_specials(ids: Sequence[int], tokenizer) -> np.ndarray:
     """``BOS, ids, EOS`` (each where the tokenizer has one), int32."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]

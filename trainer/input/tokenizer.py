@@ -291,6 +291,7 @@ class TextTokenizer(Protocol):
     mask_id: int | None
     files: dict[str, bytes]
     kind: str
+    source: str  # where it was read from, for messages
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``, no special token added."""
@@ -316,7 +317,10 @@ class SentencePieceTokenizer:
             self._processor = spm.SentencePieceProcessor(model_proto=model_proto)
         except RuntimeError as e:
             raise ConfigError(f"{source} is not a SentencePiece model ({e})") from None
+        if not model_proto or self._processor.vocab_size() <= 0:  # loads empty, then fails
+            raise ConfigError(f"{source} is not a SentencePiece model (it is empty)")
         self.files = {SPM_FILE: model_proto}
+        self.source = source
         self.vocab_size = self._processor.vocab_size()
         self.bos_id = _id_or_none(self._processor.bos_id())
         self.eos_id = _id_or_none(self._processor.eos_id())
@@ -348,6 +352,7 @@ class HfTokenizer:
         except Exception as e:  # noqa: BLE001  (the library's errors: not a tokenizer.json)
             raise ConfigError(f"{source} is not a Hugging Face tokenizer.json ({e})") from None
         self.files = dict(files)
+        self.source = source
         settings = json.loads(files.get("tokenizer_config.json", b"{}") or b"{}")
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(settings.get("bos_token"))

@@ -64,11 +64,8 @@ def make_task(
             f"data.max_length={length} is longer than the model takes, model.max_len={cfg.max_len}"
         )
     data = open_data() if open_data else None
-    if data is not None and data.tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {data.tokenizer.vocab_size:,} ids but model.vocab_size="
-            f"{cfg.vocab_size:,}: its ids would fall outside the embedding"
-        )
+    if data is not None:
+        data_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
     model = decoder.Decoder(cfg)
     eval_model = decoder.Decoder(
         dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))

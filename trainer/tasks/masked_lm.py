@@ -52,11 +52,8 @@ def make_task(
     if not config.data.masked:
         raise ConfigError("data.masked must be true for BERT: its rows are masked")
     data = open_data() if open_data else None
-    if data is not None and data.tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {data.tokenizer.vocab_size:,} ids but model.vocab_size="
-            f"{cfg.vocab_size:,}: its ids would fall outside the embedding"
-        )
+    if data is not None:
+        data_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
     model = bert.Bert(cfg)
     eval_model = bert.Bert(
         dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))

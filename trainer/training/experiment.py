@@ -70,10 +70,11 @@ class Experiment:
       logical_state: ShapeDtypeStructs (with shardings) of the train state in its
         logical shapes: the portable form checkpoints hold.
       fns: the step and loop functions (not yet jitted).
-      init: ``(loaded=None) -> TrainState``, created sharded; ``loaded`` maps
-        parameter names (``"a/b/kernel"``, :func:`trainer.parallel.rules.param_name`)
-        to logical arrays that replace their initial values (the optimizer
-        state starts from the result).
+      init: ``(loaded=None, stored=None) -> TrainState``, created sharded; ``loaded``
+        maps parameter names (``"a/b/kernel"``, :func:`trainer.parallel.rules.param_name`)
+        to logical arrays that replace their initial values, ``stored`` to arrays
+        already in their stored layout and sharding (donated; their initialisers are
+        never run). The optimizer state starts from the result.
       to_logical: jitted: a train state -> its logical form (``logical_state``'s shardings).
       params_to_logical: jitted: the params alone, sharded over model axes only.
       from_logical: a train state in logical form (a restored checkpoint) -> this
@@ -337,19 +338,25 @@ def build(
     # ------------------------------------------- the train state, abstract
     init_rng, state_rng = jax.random.split(jax.random.PRNGKey(config.seed))
 
-    def init_state(rng_init, rng_state, loaded=None):
+    def replaced(params, values, cast: bool):
+        """``params`` with the leaves ``values`` names (``{"a/b/kernel": array}``)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: (
+                (values[name].astype(x.dtype) if cast else values[name])
+                if (name := rules_lib.param_name(path)) in values
+                else x
+            ),
+            params,
+        )
+
+    def init_state(rng_init, rng_state, loaded=None, stored=None):
         variables = nn.unbox(task.init_fn(rng_init, task.init_batch))
         params = variables.pop("params")
         if loaded:  # init_from: {"a/b/kernel": logical array} replaces the initial value
-            params = jax.tree_util.tree_map_with_path(
-                lambda path, x: (
-                    loaded[name].astype(x.dtype)
-                    if (name := rules_lib.param_name(path)) in loaded
-                    else x
-                ),
-                params,
-            )
+            params = replaced(params, loaded, cast=True)
         params = plan.to_stored(params)
+        if stored:  # the same, already in the stored layout (the initialisers left unrun)
+            params = replaced(params, stored, cast=False)
         return step_lib.TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -377,9 +384,13 @@ def build(
         logical_shardings,
     )
 
-    def init(loaded: dict[str, jax.Array] | None = None):
+    def init(
+        loaded: dict[str, jax.Array] | None = None, stored: dict[str, jax.Array] | None = None
+    ):
+        # ``stored`` is donated: those parameters become the state's, not copies of them.
+        fn = jax.jit(init_state, out_shardings=state_shardings, donate_argnums=(3,))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            return jax.jit(init_state, out_shardings=state_shardings)(init_rng, state_rng, loaded)
+            return fn(init_rng, state_rng, loaded, stored)
 
     # -------------------------------- the stored <-> logical conversions
     to_logical = jax.jit(

@@ -26,6 +26,7 @@ from models import stacking
 from trainer import checkpoint as checkpoint_lib
 from trainer.checkpoint import tree as tree_lib
 from trainer.errors import ConfigError
+from trainer.hf import checkpoint as hf_checkpoint
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
 from trainer.workdir import storage
@@ -109,6 +110,8 @@ def initial_state(
     config = exp.config
     if not config.init_from:
         return exp.init()
+    if hf_checkpoint.is_model_directory(config.init_from):
+        return _from_hugging_face(exp, log)
     what, saved, read = _open(config.init_from)
     wanted = _flat(exp.model.abstract_params)
     have = _flat(saved)
@@ -144,5 +147,29 @@ def initial_state(
         + (f" ({converted} converted between layer stacks and layers)" if converted else "")
         + (f"; from their initialisers: {', '.join(skipped)}" if skipped else "")
         + (f"; not in this model: {', '.join(extra)}" if extra else "")
+    )
+    return state
+
+
+def _from_hugging_face(
+    exp: experiment_lib.Experiment, log: Callable[[str], None]
+) -> step_lib.TrainState:
+    """The initial state with the parameters of the Hugging Face model ``init_from``
+    names, each placed straight into this run's stored sharding (trainer/hf/checkpoint.py),
+    and the optimizer state started from them."""
+    config = exp.config
+    imported = hf_checkpoint.load(
+        config.init_from,
+        exp.plan,
+        exp.model.abstract_params,
+        config.model,
+        skip=tuple(config.init_from_skip),
+    )
+    count, values = len(imported.params), imported.values
+    state = exp.init(stored=imported.params)  # the skipped ones from their initialisers
+    log(
+        f"init_from: {count} of {len(_flat(state.params))} parameters ({values:,} values) "
+        f"from the Hugging Face model {config.init_from} ({imported.tensors_read} tensors read)"
+        + (f"; from their initialisers: {', '.join(imported.skipped)}" if imported.skipped else "")
     )
     return state
