@@ -15,7 +15,10 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import llama
+from models import stacking
 from trainer.errors import ConfigError
+from trainer.hf import config as hf_config_lib
+from trainer.hf import names
 from trainer.inference import hf_export
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.training import experiment as experiment_lib
@@ -212,3 +215,30 @@ def test_a_model_of_another_size_than_the_run_is_refused(made):
         ConfigError, match=r"num_hidden_layers=2 but this run has model.num_layers=3"
     ):
         imported(config)
+
+
+@pytest.mark.parametrize("size", ["llama3-8b", "llama3-70b"])
+def test_the_name_map_covers_the_large_models_without_their_bytes(tmp_path, size):
+    # Our config.json of the size, read back by transformers onto the meta device (no
+    # bytes): every tensor it builds is one of ours, of the shape our map says, and our
+    # config read back from it is the same model.
+    model = llama.get_config(size).model
+    settings = hf_config_lib.hf_config(model, bos_id=1, eos_id=2, dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path)
+        )
+    shapes = {name: tuple(p.shape) for name, p in theirs.state_dict().items()}
+    if model.tie_embeddings:
+        shapes.pop("lm_head.weight")
+    mapped = names.per_layer(model)
+    assert {t.name: t.shape for t in mapped.values()} == shapes
+    # Each of our parameters, stacked as the run stores them, comes from the map.
+    abstract = experiment_lib.build_model(llama.get_config(size), with_data=False).abstract_params
+    ours = traverse_util.flatten_dict(abstract, sep="/")
+    given = {n: jax.ShapeDtypeStruct(t.ours, np.float32) for n, t in mapped.items()}
+    assert sorted(stacking.match(ours, given)) == sorted(ours)
+    for key, value in hf_config_lib.read_model_keys(tmp_path).items():
+        if key != "name":
+            assert model[key] == value, key
