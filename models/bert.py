@@ -163,7 +163,13 @@ class Bert(nn.Module):
         self.embedding_norm = _norm(cfg, "embedding_norm")
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
         # `train` is passed positionally: a static argument of the remat'd layers.
-        layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,), in_scan=cfg.scan_layers)
+        layer = remat_layer(
+            EncoderLayer,
+            cfg.remat,
+            static_argnums=(3,),
+            in_scan=cfg.scan_layers,
+            stack="layers" if cfg.scan_layers else None,
+        )
         if cfg.scan_layers:
             self.layers = nn.scan(
                 layer,

@@ -230,7 +230,13 @@ class Decoder(nn.Module):
         self.token_embedding = Embedding(**table)
         if not cfg.tie_embeddings:
             self.output_embedding = Embedding(**table)
-        layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(), in_scan=cfg.scan_layers)
+        layer = remat_layer(
+            DecoderLayer,
+            cfg.remat,
+            static_argnums=(),
+            in_scan=cfg.scan_layers,
+            stack="layers" if cfg.scan_layers else None,
+        )
         if cfg.scan_layers:
             self.layers = nn.scan(
                 layer,

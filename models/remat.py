@@ -10,6 +10,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from models import layer_weights
+
 # Name -> what a layer keeps for its backward pass ("none": no remat at all).
 POLICIES = {
     "none": None,
@@ -20,9 +22,20 @@ POLICIES = {
 
 
 def remat_layer(
-    layer: type[nn.Module], policy: str, static_argnums: tuple[int, ...], *, in_scan: bool = False
+    layer: type[nn.Module],
+    policy: str,
+    static_argnums: tuple[int, ...],
+    *,
+    in_scan: bool = False,
+    stack: str | None = None,
 ):
     """``layer`` as is for ``policy="none"``, else rematerialised under ``policy``.
+
+    A layer of a stack whose weights are gathered a layer at a time
+    (:mod:`models.layer_weights`: ``stack`` names it, and a transform is active) is
+    rematerialised in any case: its gathered weights are never kept for the backward
+    pass, which gathers them again (``"none"`` keeps the matmul outputs there, as
+    ``"dots"``).
 
     Args:
       layer: a flax Module class.
@@ -35,8 +48,14 @@ def remat_layer(
     """
     if policy not in POLICIES:
         raise ValueError(f"remat must be one of {sorted(POLICIES)}, got '{policy}'")
-    if policy == "none":
+    gathered = stack is not None and layer_weights.active(stack) is not None
+    if gathered:
+        layer = layer_weights.in_stack(layer, stack)
+    keep = POLICIES[policy]
+    if keep is None and gathered:
+        # Matmul outputs only: anything else a layer keeps may be its gathered weights
+        # or a cast of them (a policy of names cannot tell a cast apart).
+        keep = POLICIES["dots"]
+    if keep is None:
         return layer
-    return nn.remat(
-        layer, policy=POLICIES[policy], static_argnums=static_argnums, prevent_cse=not in_scan
-    )
+    return nn.remat(layer, policy=keep, static_argnums=static_argnums, prevent_cse=not in_scan)

@@ -226,8 +226,20 @@ class Transformer(nn.Module):
             self.logits_embedding = Embedding(**table)
         # `train` is passed positionally: a static argument of the remat'd layers.
         scan = cfg.scan_layers
-        encoder_layer = remat_layer(EncoderLayer, cfg.remat, static_argnums=(3,), in_scan=scan)
-        decoder_layer = remat_layer(DecoderLayer, cfg.remat, static_argnums=(5,), in_scan=scan)
+        encoder_layer = remat_layer(
+            EncoderLayer,
+            cfg.remat,
+            static_argnums=(3,),
+            in_scan=scan,
+            stack="encoder_layers" if scan else None,
+        )
+        decoder_layer = remat_layer(
+            DecoderLayer,
+            cfg.remat,
+            static_argnums=(5,),
+            in_scan=scan,
+            stack="decoder_layers" if scan else None,
+        )
         if scan:
             self.encoder_layers = _scanned(
                 encoder_layer, cfg, cfg.num_encoder_layers, 2, "encoder_layers"

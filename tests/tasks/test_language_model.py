@@ -69,6 +69,21 @@ def test_every_update_mode_trains_the_numbers_of_the_others(run, data_dir, tmp_p
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
+def test_per_layer_gathering_trains_the_numbers_of_wus_and_shares_its_checkpoints(
+    run, data_dir, tmp_path
+):
+    # 20 steps gathering each layer inside the scan, then 20 more as wus from its
+    # checkpoint: the losses of the wus run, which gathered its stacks whole.
+    f32 = {"model.dtype": "float32"}
+    per_layer = {**f32, "optimizer.update_sharding": "per_layer"}
+    train_lib.train(tiny_lm(data_dir, num_train_steps=20, **per_layer), str(tmp_path))
+    train_lib.train(tiny_lm(data_dir, **f32), str(tmp_path))
+    want, got = losses(run), losses(tmp_path)
+    assert sorted(got) == sorted(want) == [20, 40]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
 def test_a_resume_is_bit_exact(run, data_dir, tmp_path):
     train_lib.train(tiny_lm(data_dir, **{"model.dtype": "float32"}), str(tmp_path))
     uninterrupted, resumed = rows(tmp_path), rows(run)

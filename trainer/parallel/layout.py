@@ -154,6 +154,16 @@ class LeafLayout:
             how = f"dim {self.dim}"
         return f"{how} -> {self.stored_shape} over data, pad {self.pad} ({self.padding:.1%})"
 
+    def in_layer(self) -> LeafLayout:
+        """The layout of one layer's slice of this stack of layers (dim 0 dropped):
+        a stack laid out with ``first=1`` stores each layer's slice alike."""
+        if self.sharded and self.start < 1:
+            raise ValueError(f"a layout of {self.shape} that merges its layers dim")
+        start, stop = max(self.start - 1, 0), max(self.stop - 1, 0)
+        return dataclasses.replace(
+            self, shape=self.shape[1:], spec=self.spec[1:], start=start, stop=stop
+        )
+
     def to_stored(self, x: jax.Array, batch_dims: int = 0) -> jax.Array:
         """Logical -> stored: merge dims, pad with zeros (after ``batch_dims``).
 
@@ -210,6 +220,7 @@ def choose_layout(
     itemsize: int = 4,
     min_shard_bytes: int = 0,
     max_padding: float = 0.25,
+    first: int = 0,
 ) -> LeafLayout:
     """Picks how to shard one parameter ``num_shards`` ways (see the module doc).
 
@@ -222,6 +233,8 @@ def choose_layout(
       min_shard_bytes: per-device bytes (after model sharding) under which the
         parameter stays replicated.
       max_padding: the largest padding, as a fraction of the tensor, a layout may add.
+      first: the first dim a layout may shard or merge: 1 for a stack of layers
+        gathered a layer at a time (each layer's slice is then sharded alike).
     """
     shape = tuple(shape)
     axes = effective_spec(spec, len(shape), axis_sizes)
@@ -260,18 +273,20 @@ def choose_layout(
     def with_lanes(start: int) -> list[LeafLayout | None]:
         return [run(start, n, split)] if split and n - start >= 2 and all(free[start:]) else []
 
-    leading = [run(0, k) for k in range(1, last_merge + 1) if all(free[:k])] + with_lanes(0)
+    leading = [
+        run(first, k) for k in range(first + 1, last_merge + 1) if all(free[first:k])
+    ] + with_lanes(first)
     if best := least_padding(leading):
         return best
     for d, split in enumerate(model_split):
-        if split > 1 and shape[d] % (split * num_shards) == 0:
+        if d >= first and split > 1 and shape[d] % (split * num_shards) == 0:
             return dataclasses.replace(layout, sharded=True, start=d, stop=d + 1)
     strided = [
         run(s, e)
-        for s in range(1, len(shape))
+        for s in range(first + 1, len(shape))
         for e in range(s + 1, len(shape) + 1)
         if all(free[s:e]) and (e == s + 1 or e <= last_merge)
-    ] + [c for s in range(1, n) for c in with_lanes(s)]
+    ] + [c for s in range(first + 1, n) for c in with_lanes(s)]
     if best := least_padding(strided):
         return best
     return dataclasses.replace(layout, reason=f"no layout pads under {max_padding:.0%}")

@@ -29,6 +29,11 @@ differ only in where state lives and which collectives run:
   but the gathered weights are not kept for the backward pass - they are
   gathered again there (rematerialised), trading a third collective for the
   memory of the whole weights.
+* ``per_layer``: as ``wus``, but a stack of layers (a scanned module) stays sharded
+  through its scan: each layer's slice is gathered inside the scan's body when the
+  layer runs, again in its backward pass, and its gradient is reduce-scattered
+  there (:mod:`trainer.parallel.layer_gather`): one layer's weights on a chip at a
+  time, for a model whose bf16 weights do not fit a chip.
 
 """
 
@@ -49,7 +54,7 @@ from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel.layout import LeafLayout, choose_layout
 
-MODES = ("none", "wus", "fsdp")
+MODES = ("none", "wus", "fsdp", "per_layer")
 
 
 def is_layout(x) -> bool:
@@ -72,6 +77,9 @@ class UpdateShardingPlan:
         layouts) gathered by one all-gather: their shards concatenated, gathered,
         and each parameter cut out of the result (:func:`bucket_gathers`). The
         other sharded parameters are gathered one by one.
+      stacks: a tree like the params: the stack of layers each parameter belongs to
+        (its scanned module's name, e.g. ``layers``), or "" (``per_layer`` gathers
+        the stacks' parameters a layer at a time).
     """
 
     mesh: Mesh
@@ -81,6 +89,7 @@ class UpdateShardingPlan:
     gather_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
     gather_buckets: tuple[tuple[int, ...], ...] = ()
+    stacks: Any = None
 
     def _map(self, fn, *trees):
         return jax.tree.map(fn, self.layouts, *trees, is_leaf=is_layout)
@@ -93,6 +102,11 @@ class UpdateShardingPlan:
     def regather(self) -> bool:
         """Whether the backward pass gathers the weights again (``fsdp``)."""
         return self.mode == "fsdp"
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the stacks' layers are gathered one at a time inside their scans."""
+        return self.mode == "per_layer"
 
     def stored_shardings(self):
         """NamedShardings of the stored (master) params."""
@@ -423,6 +437,7 @@ def make_plan(
     gather_dtype=jnp.bfloat16,
     reduce_dtype=jnp.float32,
     gather_bucket_bytes: int = 0,
+    stacks=None,
 ) -> UpdateShardingPlan:
     """Chooses a layout for every parameter.
 
@@ -440,14 +455,23 @@ def make_plan(
       reduce_dtype: dtype of the gradient reduction.
       gather_bucket_bytes: small sharded parameters share all-gathers of up to this
         many bytes per device (:func:`bucket_gathers`); 0 = one per parameter.
+      stacks: tree of each parameter's stack of layers, or "" (default: none);
+        under ``per_layer`` a stack's parameters are laid out a layer at a time.
     """
     if mode not in MODES:
         raise ConfigError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
     if max_shard_padding < 0:
         raise ConfigError(f"optimizer.max_shard_padding must be >= 0, got {max_shard_padding}")
     shards = mesh.shape[mesh_lib.DATA_AXIS] if mode != "none" else 1
+    if stacks is None:
+        stacks = jax.tree.map(lambda _: "", abstract_params)
+    if mode == "per_layer" and not any(jax.tree.leaves(stacks)):
+        raise ConfigError(
+            "optimizer.update_sharding='per_layer' gathers the layers of a scanned stack "
+            "one at a time, and this model has none (model.scan_layers=true, or use wus)"
+        )
     layouts = jax.tree.map(
-        lambda p, s: choose_layout(
+        lambda p, s, stack: choose_layout(
             tuple(p.shape),
             s,
             shards,
@@ -455,11 +479,15 @@ def make_plan(
             itemsize=np.dtype(p.dtype).itemsize,
             min_shard_bytes=min_shard_bytes,
             max_padding=max_shard_padding,
+            first=1 if stack and mode == "per_layer" else 0,
         ),
         abstract_params,
         param_specs,
+        stacks,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+    if mode == "per_layer":
+        gather_bucket_bytes = 0  # the layers' gathers are the scan's, one by one
     if low_precision is None:
         low_precision = jax.tree.map(lambda _: False, abstract_params)
     if gather_bucket_bytes < 0:
@@ -479,4 +507,5 @@ def make_plan(
         jnp.dtype(gather_dtype),
         jnp.dtype(reduce_dtype),
         bucket_gathers(flat_layouts, gathered, gather_bucket_bytes),
+        stacks,
     )

@@ -46,6 +46,8 @@ class Model:
         with its sharding over the model axes.
       abstract_model_state: the non-trained variables (BatchNorm statistics), replicated.
       num_params: number of model parameters.
+      layer_stacks: a tree like the params: the stack of layers (the scanned
+        module, e.g. ``layers``) each parameter belongs to, or "".
     """
 
     config: ml_collections.ConfigDict
@@ -55,6 +57,7 @@ class Model:
     abstract_params: Any
     abstract_model_state: Any
     num_params: int
+    layer_stacks: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +261,20 @@ def build_model(
         abstract_params=params,
         abstract_model_state=model_state,
         num_params=sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)),
+        layer_stacks=_layer_stacks(boxed["params"]),
+    )
+
+
+def _layer_stacks(boxed_params):
+    """Each parameter's stack of layers: its top module's name where its first logical
+    axis is the scan's ``layers`` (models name it so), else ""."""
+
+    def stack(path, box):
+        names = getattr(box, "names", ()) or ()
+        return str(path[0].key) if names and names[0] == "layers" else ""
+
+    return jax.tree_util.tree_map_with_path(
+        stack, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
 
 
@@ -294,6 +311,7 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
         gather_dtype=gather_dtype,
         reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
         gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
+        stacks=model.layer_stacks,
     )
 
 

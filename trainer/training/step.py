@@ -21,6 +21,11 @@ outputs: the gathered weights are not kept for the backward pass, which gathers
 them again (three collectives a micro-batch instead of two a step, for the
 memory of the whole weights).
 
+Under ``per_layer`` the replicas run in a ``shard_map`` instead of a ``vmap``: a
+stack's layers gather their weights inside the scan over them, and reduce-scatter
+their gradients in its backward pass (:mod:`trainer.parallel.layer_gather`); the
+gradients come out reduced, as under ``fsdp``.
+
 ``train_loop`` runs K such steps inside one compiled ``lax.scan``.
 """
 
@@ -33,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainer.parallel import layer_gather
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel.plan import UpdateShardingPlan
@@ -165,12 +171,32 @@ def make_step_fns(
         )
         return acc, model_state, sums
 
+    def grads_per_layer(state, rows, rngs, weight):
+        # The replicas in a shard_map whose collectives are explicit: the stacks'
+        # layers gather their slices in the scan, and reduce-scatter their gradients
+        # in its backward pass (trainer/parallel/layer_gather.py).
+        loss_of_stored = layer_gather.losses(plan, replica_loss, plan.stacks)
+        grad_fn = jax.value_and_grad(loss_of_stored, has_aux=True)
+
+        def one(carry, xs):
+            acc, model_state = carry
+            (_, (sums, new_model_state)), grads = grad_fn(state.params, model_state, *xs, weight)
+            return (add(acc, grads), averaged(new_model_state)), sums
+
+        (acc, model_state), sums = over_micro_batches(
+            one, (f32(state.params), state.model_state), (rows, rngs)
+        )
+        return acc, model_state, sums
+
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         weight = task.weight_fn(batch)  # of the whole step's batch: the mean over all of it
         rows = jax.tree.map(split, batch)
         rng = jax.random.fold_in(state.rng, state.step)
         rngs = jax.random.split(rng, micro * replicas).reshape(micro, replicas, -1)
-        accumulate = grads_regather if plan.regather else grads_gather_once
+        if plan.per_layer:
+            accumulate = grads_per_layer
+        else:
+            accumulate = grads_regather if plan.regather else grads_gather_once
         with nn.logical_axis_rules(replica_rules):
             grads, model_state, sums = accumulate(state, rows, rngs, weight)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)

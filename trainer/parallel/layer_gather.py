@@ -1,0 +1,177 @@
+"""Weight-update sharding with each layer of a stack gathered when it runs
+(``optimizer.update_sharding="per_layer"``).
+
+``wus`` gathers every weight before the forward pass and keeps it to the backward
+pass: the whole model in bf16 on every chip, which a 32B model (64 GB) does not fit
+in a v5e's 16 GB. Here a stack of layers (a scanned module, parameters
+``[layers, ...]``) stays sharded through the scan: its stored layout shards each
+layer's slice alike (:func:`trainer.parallel.layout.choose_layout` with ``first=1``),
+the scan hands each layer its slice of every device's shard, and the layer's body
+(:mod:`models.layer_weights`) all-gathers that slice, in ``gather_dtype`` where the
+model rounds to it anyway, as the layer starts. The layer's backward pass gathers
+it again (the gathered weights are never kept: ``models.remat``) and reduce-scatters
+the layer's gradient in ``reduce_dtype`` straight into its shard. A chip holds one
+layer's gathered weights at a time, and XLA may start layer i+1's gather while layer
+i computes. The parameters outside the stacks (embeddings, final norms) are gathered
+once and kept, as under ``wus``.
+
+The replicas run in a ``shard_map`` over the data axes (the model axis, if any, left
+to the compiler), where the collectives are explicit and their gradients are ours:
+each gather is a ``custom_vjp`` whose backward pass is the reduce-scatter, so the
+numbers are the same as ``wus``'s: the same bf16 roundings, the same f32 sums
+(``tests/tasks/test_language_model.py``); a replicated parameter's gradient is
+summed over the replicas by the ``shard_map``'s own transpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import traverse_util
+from jax.sharding import PartitionSpec
+
+from models import layer_weights
+from trainer.parallel import mesh as mesh_lib
+from trainer.parallel.layout import LeafLayout
+from trainer.parallel.rules import param_name
+
+_DATA = mesh_lib.DATA_AXIS
+
+
+def _on_data_dim(collective, x: jax.Array, dim: int) -> jax.Array:
+    """``collective(x, dim)`` over ``data``, the size-1 dims before ``dim`` dropped
+    around it (a stored layout keeps its logical rank; see ``plan._on_major_dim``)."""
+    lead = x.shape[:dim]
+    if not lead or any(d != 1 for d in lead):
+        return collective(x, dim)
+    out = collective(x.reshape(x.shape[dim:]), 0)
+    return out.reshape(lead + out.shape)
+
+
+def _all_gather(x: jax.Array, dim: int) -> jax.Array:
+    return jax.lax.all_gather(x, _DATA, axis=dim, tiled=True)
+
+
+def _reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
+    return jax.lax.psum_scatter(x, _DATA, scatter_dimension=dim, tiled=True)
+
+
+def gather(
+    lay: LeafLayout, dtype, gather_dtype, reduce_dtype, partial: bool
+) -> Callable[[jax.Array], jax.Array]:
+    """The local shard of a parameter stored as ``lay`` -> the whole parameter in its
+    logical shape and ``dtype``, all-gathered in ``gather_dtype``; its gradient is
+    reduce-scattered in ``reduce_dtype`` into the shard (and summed over the
+    ``replica`` axis where sharding is ``partial``). Inside a ``shard_map`` over data."""
+
+    @jax.custom_vjp
+    def gathered(shard):
+        whole = _on_data_dim(_all_gather, shard.astype(gather_dtype), lay.dim)
+        return lay.to_logical(whole).astype(dtype)
+
+    def forward(shard):
+        return gathered(shard), None
+
+    def backward(_, grad):
+        grad = lay.to_stored(grad).astype(reduce_dtype)
+        grad = _on_data_dim(_reduce_scatter, grad, lay.dim)
+        if partial:
+            grad = jax.lax.psum(grad, mesh_lib.REPLICA_AXIS)
+        return (grad.astype(dtype),)
+
+    gathered.defvjp(forward, backward)
+    return gathered
+
+
+def _data_only(spec: PartitionSpec, data: tuple[str, ...]) -> PartitionSpec:
+    """``spec`` with only the data axes (a ``shard_map`` over them sees no other)."""
+
+    def keep(entry):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in axes if a in data)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
+    """``(stored, model_state, rows, rngs, weight) -> (sum of the replicas' losses,
+    (their metric sums, their model states))``: ``replica_loss`` of every data
+    replica, on weights gathered as the module doc says.
+
+    Args:
+      plan: the :class:`~trainer.parallel.plan.UpdateShardingPlan` (mode ``per_layer``).
+      replica_loss: ``(params, model_state, rows, rng, weight) -> (loss, aux)`` of
+        one replica (the step's).
+      stacks: a tree like the params: each leaf's stack (``layers``), or "".
+    """
+    mesh = plan.mesh
+    data = mesh_lib.data_axes(mesh)
+    partial = mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1
+    layouts, treedef = jax.tree.flatten(plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    low = treedef.flatten_up_to(plan.low_precision)
+    stack_of = treedef.flatten_up_to(stacks)
+    names = [
+        param_name(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(
+            plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)
+        )[0]
+    ]
+    in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
+
+    def transforms(dtypes) -> dict[str, Callable]:
+        # Per stack: a layer's params (its slice of this device's shards) -> its weights.
+        per_stack: dict[str, dict[str, Callable]] = {}
+        for i, lay in enumerate(layouts):
+            if in_layer[i]:
+                gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
+                fn = gather(lay.in_layer(), dtypes[i], gather_dtype, plan.reduce_dtype, partial)
+                stack, _, rest = names[i].partition("/")
+                per_stack.setdefault(stack_of[i], {})[rest] = fn
+
+        def transform(fns):
+            def weights(tree):
+                flat = traverse_util.flatten_dict(tree, sep="/")
+                out = {name: fns[name](x) if name in fns else x for name, x in flat.items()}
+                return traverse_util.unflatten_dict(out, sep="/")
+
+            return weights
+
+        return {stack: transform(fns) for stack, fns in per_stack.items()}
+
+    def body(leaves, model_state, rows, rngs, weight):
+        dtypes = [x.dtype for x in leaves]
+        weights = []
+        for i, (lay, x) in enumerate(zip(layouts, leaves, strict=True)):
+            if in_layer[i]:
+                weights.append(x)  # the layers' bodies gather their slices
+            elif lay.sharded:
+                gather_dtype = plan.gather_dtype if low[i] else x.dtype
+                weights.append(gather(lay, x.dtype, gather_dtype, plan.reduce_dtype, partial)(x))
+            else:  # replicated: the shard_map's transpose sums its gradient over data
+                weights.append(x)
+        params = jax.tree.unflatten(treedef, weights)
+        with layer_weights.transforming(transforms(dtypes)):
+            loss, aux = replica_loss(
+                params, model_state, jax.tree.map(lambda r: r[0], rows), rngs[0], weight
+            )
+        return loss[None], jax.tree.map(lambda a: a[None], aux)
+
+    replica = PartitionSpec(data)
+    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in layouts)
+
+    def run(stored, model_state, rows, rngs, weight):
+        loss, aux = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(stored_specs, PartitionSpec(), replica, replica, PartitionSpec()),
+            out_specs=(replica, replica),
+            axis_names=frozenset(data),
+            # Our collectives' gradients are explicit (custom_vjp): no implicit psums.
+            check_vma=False,
+        )(tuple(treedef.flatten_up_to(stored)), model_state, rows, rngs, weight)
+        return loss.sum(), aux
+
+    return run
