@@ -30,18 +30,15 @@ class Source:
     """Where one wanted parameter comes from in the source.
 
     Attributes:
-      names: one name (taken as it is, or sliced at ``index``) or several (stacked,
-        in order, on a new leading dim).
+      names: one name (taken as it is, or sliced at ``index``), or the names to
+        stack, in order, on a new leading dim (``stacked``: a stack of one layer too).
       index: the layer to take out of a stacked source leaf, or None.
+      stacked: whether ``names`` are stacked into the wanted parameter.
     """
 
     names: tuple[str, ...]
     index: int | None = None
-
-    @property
-    def stacked(self) -> bool:
-        """Whether several source leaves are stacked into the wanted one."""
-        return len(self.names) > 1
+    stacked: bool = False  # the names are stacked on a new leading dim (one or more)
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
@@ -67,7 +64,7 @@ def match(wanted: Mapping[str, Any], have: Mapping[str, Any]) -> dict[str, Sourc
         # Stack the source's per-layer leaves.
         layers = [f"{top}_{i}/{rest}" for i in range(shape[0])] if shape else []
         if layers and all(n in have and _shape(have[n]) == shape[1:] for n in layers):
-            found[name] = Source(tuple(layers))
+            found[name] = Source(tuple(layers), stacked=True)
             continue
         # Take one layer out of the source's stack.
         per_layer = _LAYER.match(top)

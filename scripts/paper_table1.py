@@ -159,7 +159,7 @@ def _step(r: dict, assumption: str = "compiler") -> float:
 
 
 def _sent(r: dict) -> float:
-    return sum(c["wire_bytes"] for c in r["collectives"] if c["per_step"])
+    return sum(c["wire_bytes"] * c["times_per_step"] for c in r["collectives"])
 
 
 def table(results: dict[str, dict]) -> str:

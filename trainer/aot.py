@@ -94,7 +94,7 @@ def report(results: dict[str, dict]) -> None:
                 how += "" if c["reading"] == "read" else " (assumed: no reading)"
                 key = (c["kind"], c["dtype"], c["bytes"], c["group_size"], c["async"], how)
                 entry = counts.setdefault(key, [0, 0.0])
-                entry[0] += 1
+                entry[0] += round(c["times_per_step"])  # a layer scan's, once per layer
                 entry[1] += c["est_seconds_per_step"]
         print("  collectives per step (n x kind dtype bytes group async algorithm, ms each):")
         for (kind, dtype, size, group, is_async, how), (n, ms) in sorted(
@@ -103,9 +103,8 @@ def report(results: dict[str, dict]) -> None:
             sync = "async" if is_async else "sync"
             line = f"{n:3d} x {kind:<14} {dtype:<4} {_mib(size):>13} {group:5d} {sync:<5} {how}"
             print(f"    {line}  {ms * 1e3 / n:7.3f}")
-        per_step = [c for c in r["collectives"] if c["per_step"]]
-        moved = sum(c["bytes"] for c in per_step)
-        wire = sum(c["wire_bytes"] for c in per_step)
+        moved = sum(c["bytes"] * c["times_per_step"] for c in r["collectives"])
+        wire = sum(c["wire_bytes"] * c["times_per_step"] for c in r["collectives"])
         print(f"  collective buffer bytes    {_mib(moved):>16} per step")
         print(f"  bytes each core sends      {_mib(wire):>16} per step (ring algorithms)")
         if r["num_slices"] > 1:
@@ -136,9 +135,7 @@ def report(results: dict[str, dict]) -> None:
             if name == "none":
                 continue
             hbm = r["hbm_bytes_per_core"] / base["hbm_bytes_per_core"]
-            moved = sum(c["wire_bytes"] for c in r["collectives"] if c["per_step"]) / max(
-                sum(c["wire_bytes"] for c in base["collectives"] if c["per_step"]), 1
-            )
+            moved = _sent(r) / max(_sent(base), 1)
             before = base["est_step_time_s"]["by_assumption"]
             ratios = ", ".join(
                 f"{a} x{e['no_overlap'] / before[a]['no_overlap']:.2f}"
@@ -152,6 +149,11 @@ def report(results: dict[str, dict]) -> None:
                 f"{name} vs none: HBM/core x{hbm:.3f}, bytes sent x{moved:.2f}{dcn}, "
                 f"estimated step time {ratios}"
             )
+
+
+def _sent(r: dict) -> float:
+    """Bytes each core sends a step (ring algorithms)."""
+    return sum(c["wire_bytes"] * c["times_per_step"] for c in r["collectives"])
 
 
 def main(argv: list[str]) -> None:

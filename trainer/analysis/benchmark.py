@@ -96,7 +96,9 @@ def bench_mode(
                 "steps_per_loop": k,
                 "argument_bytes": int(memory.argument_size_in_bytes),
                 "temp_bytes": int(memory.temp_size_in_bytes),
-                "collective_bytes": hlo.bytes_by_kind(hlo.collectives(text, jax.device_count())),
+                "collective_bytes": hlo.bytes_by_kind(
+                    hlo.collectives(text, jax.device_count()), steps_per_loop=k
+                ),
                 "final_loss": float(np.sum(metrics["loss"]) / np.sum(metrics["weight"])),
             }
             result |= figures

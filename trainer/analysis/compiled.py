@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from trainer.analysis import costmodel, hlo, schedule
+from trainer.analysis import costmodel, hlo, schedule, step_cost
 from trainer.errors import ConfigError
 from trainer.parallel import hardware, torus
 from trainer.parallel import mesh as mesh_lib
@@ -134,7 +134,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     }
     # Donated inputs alias their outputs: count those bytes once.
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
-    cost, twin_s = _per_step_cost(compiled, config, devices)
+    cost = step_cost.per_step(compiled, config, devices)
     text = compiled.as_text()
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
@@ -146,8 +146,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     topo = costmodel.Topology.from_devices(accelerator, slice_devices)
     cores = topo.cores_per_chip
     per_host = sum(d.process_index == slice_devices[0].process_index for d in slice_devices)
-    flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    xla_seconds = float(cost.get("optimal_seconds", 0.0))
+    flops, bytes_accessed, xla_seconds = cost.flops, cost.bytes_accessed, cost.optimal_seconds
     roofline = costmodel.roofline_seconds(flops, bytes_accessed, accelerator, cores)
     # XLA's optimal_seconds of a multi-slice program comes out negative (-30 s and
     # change, libtpu 0.0.42.1: its DCN transfers' entry); there the compute is the
@@ -207,6 +206,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                 "bytes_factor": costmodel.reading(c).bytes_factor,
                 "reading": costmodel.reading(c).note,
                 "per_step": c.in_loop or not has_loop,
+                # Runs a step: a collective inside a layer scan runs once per layer.
+                "times_per_step": c.per_step(k, has_loop),
                 "est_seconds_per_step": estimates[costmodel.COMPILER][1][i],
                 # What the schedule runs while an asynchronous one is in flight.
                 "overlap_window_s": windows.get(c.name, 0.0) if c.is_async else 0.0,
@@ -224,12 +225,13 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
                 "wire_bytes": t.wire_bytes,
                 "slices": t.slices,
                 "per_step": t.in_loop or not has_loop,
+                "times_per_step": t.per_step(k, has_loop),
                 "assumed": list(t.assumed),
             }
             for t in dcn
         ],
         "dcn_bytes_per_host_per_step": per_host
-        * sum(t.wire_bytes * (1 if t.in_loop or not has_loop else 1 / k) for t in dcn),
+        * sum(t.wire_bytes * t.per_step(k, has_loop) for t in dcn),
         "devices_per_host": per_host,
         "dcn_bandwidth_assumed": accelerator.dcn_assumed,
         # The compiler-literal estimate, and every assumption's (trainer/analysis/costmodel.py).
@@ -248,39 +250,11 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         },
         "est_compute_s": estimate.compute_s,
         "compile_s": compile_s,
-        # The compile of the unrolled twin that gave the compute figures (0 without one).
-        "cost_compile_s": twin_s if _scans_layers(config) else 0.0,
+        # The compiles of the unrolled twins that gave the compute figures (0: none).
+        "cost_compile_s": cost.compile_s,
+        "cost_how": cost.how,
         "hlo": text if keep_hlo else None,
     }
-
-
-def _scans_layers(config) -> bool:
-    """Whether the config's model loops over stacked layers (``model.scan_layers``)."""
-    return "scan_layers" in config.model and config.model.scan_layers
-
-
-def _per_step_cost(compiled, config, devices) -> tuple[dict, float]:
-    """XLA's cost analysis of one step of ``compiled``, and the seconds it took to get.
-
-    XLA counts the body of a ``while`` once: right for the K-step loop (that is one
-    step), too little for a loop over a model's layers inside it
-    (``model.scan_layers``: one layer of each stack counted, not all). There the
-    figures are those of the same program with the layer scans unrolled, compiled
-    once more (the collectives and HBM stay the looped program's).
-    """
-    model = config.model
-    start = time.perf_counter()
-    if _scans_layers(config):
-        twin = config.copy_and_resolve_references()
-        # Unrolled: as many layers an iteration as the deepest stack has.
-        depths = [v for k, v in model.items() if k.startswith("num_") and k.endswith("layers")]
-        twin.model.scan_unroll = max(depths)
-        exp = experiment.build(twin, devices=devices, with_data=False)
-        compiled = experiment.compile_lowered(
-            experiment.lower_loop(exp, twin.steps_per_loop), twin, xla_tpu_no_crash_on_oom=True
-        )
-    cost = compiled.cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost), time.perf_counter() - start
 
 
 def candidate_groups(config, devices: list) -> list[int]:

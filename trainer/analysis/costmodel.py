@@ -364,7 +364,7 @@ def estimate_step(
     windows_s = windows_s or {}
     for c in collectives:
         per_call = collective_seconds(c, topo, assumption)
-        per_step = per_call if c.in_loop or not has_loop else per_call / steps_per_loop
+        per_step = per_call * c.per_step(steps_per_loop, has_loop)
         seconds.append(per_step)
         if c.is_async:
             window = windows_s.get(c.name, 0.0)
@@ -372,7 +372,6 @@ def estimate_step(
     async_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if c.is_async)
     sync_s = math.fsum(s for s, c in zip(seconds, collectives, strict=True) if not c.is_async)
     dcn_s = math.fsum(
-        dcn_seconds(t, topo, assumption) / (1 if t.in_loop or not has_loop else steps_per_loop)
-        for t in dcn
+        dcn_seconds(t, topo, assumption) * t.per_step(steps_per_loop, has_loop) for t in dcn
     )
     return StepEstimate(compute_s, async_s, sync_s, hidden, dcn_s), seconds

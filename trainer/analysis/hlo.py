@@ -110,6 +110,9 @@ class Collective:
       group: the partition ids of the first replica group, in ring order.
       algorithm: how the back end runs it (:class:`Algorithm`).
       loop_depth: how many ``while`` bodies enclose it.
+      trips: how many times it runs per run of the program (the product of the trip
+        counts of the loops around it: K for the K-step loop, times a stack's layers
+        for a layer scan inside it).
       name: its instruction's name (of the ``-start`` of an async pair).
       computation: the computation that holds that instruction.
       fused_with: for a collective fused with compute into one kernel
@@ -126,10 +129,16 @@ class Collective:
     emitter: str = ""
     group: tuple[int, ...] = ()
     loop_depth: int = 0
+    trips: int = 1
     algorithm: Algorithm = Algorithm()
     name: str = ""
     computation: str = ""
     fused_with: str = ""
+
+    def per_step(self, steps_per_loop: int, has_loop: bool) -> float:
+        """How many times it runs per training step, in a program of ``steps_per_loop``
+        steps (in a K-step loop if ``has_loop``: K trips of it are K steps)."""
+        return self.trips / (steps_per_loop if has_loop else 1)
 
     @property
     def buffer_bytes(self) -> int:
@@ -317,9 +326,48 @@ def shape_bytes(type_text: str) -> int:
     )
 
 
-def _loop_depths(bodies: dict[str, list[str]]) -> collections.Counter[str]:
-    """How many ``while`` bodies enclose each computation: 1 in the K-step loop, 2 in
-    a loop nested inside it (over micro-batches, over a stack of layers)."""
+@dataclasses.dataclass(frozen=True)
+class Loops:
+    """Where each computation of a module runs, in ``while`` loops.
+
+    Attributes:
+      depth: computation -> how many ``while`` bodies enclose it: 1 in the K-step
+        loop, 2 in a loop nested inside it (over micro-batches, over a stack of layers).
+      trips: computation -> how many times it runs per run of the module: the
+        product of the trip counts of the loops around it.
+      unread: the loops (their ``while`` instruction) whose trip count the program
+        does not say; each is taken as 1 trip.
+    """
+
+    depth: collections.Counter[str]
+    trips: dict[str, int]
+    unread: tuple[str, ...] = ()
+
+
+def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
+    """The trip count of the ``while`` instruction on ``line``: its ``known_trip_count``
+    (XLA prints it in an optimized program's ``backend_config``), else read from its
+    condition, where a scan's is ``counter < N`` with the counter from 0 by 1
+    (``compare(..., constant(N)), direction=LT``: the only integer constant there)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", line)
+    lines = bodies.get(condition.group(1), []) if condition else []
+    constants = [
+        int(m.group(1))
+        for text in lines
+        for m in [re.search(r"= s32\[\] constant\((\d+)\)", text)]
+        if m
+    ]
+    compares = [text for text in lines if " compare(" in text and "direction=LT" in text]
+    if len(set(constants)) == 1 and len(compares) == 1:
+        return constants[0]
+    return None
+
+
+def loops(bodies: dict[str, list[str]]) -> Loops:
+    """The loops of a module (:func:`computations`) and what runs inside them."""
     calls = {
         name: {
             c.strip().lstrip("%")
@@ -328,14 +376,12 @@ def _loop_depths(bodies: dict[str, list[str]]) -> collections.Counter[str]:
         }
         for name, lines in bodies.items()
     }
-    loop_bodies = {
-        m.group(1)
-        for lines in bodies.values()
-        for line in lines
-        if " while(" in line
-        for m in [re.search(r"body=%?([\w.\-]+)", line)]
-        if m
-    }
+    found = []  # (body, trips, while instruction)
+    for lines in bodies.values():
+        for line in lines:
+            body = re.search(r"body=%?([\w.\-]+)", line) if " while(" in line else None
+            if body:
+                found.append((body.group(1), trip_count(line, bodies), instruction_name(line)))
 
     def reachable(body: str) -> set[str]:
         seen, stack = set(), [body]
@@ -347,15 +393,18 @@ def _loop_depths(bodies: dict[str, list[str]]) -> collections.Counter[str]:
         return seen
 
     depth: collections.Counter[str] = collections.Counter()
-    for body in loop_bodies:
-        depth.update(reachable(body))
-    return depth
+    trips = dict.fromkeys(bodies, 1)
+    for body, count, _ in found:
+        for name in reachable(body):
+            depth[name] += 1
+            trips[name] = trips.get(name, 1) * (count or 1)
+    return Loops(depth, trips, tuple(name for _, count, name in found if count is None))
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     """All collectives of a partitioned HLO module, marked in-loop or not."""
     bodies = computations(hlo_text)
-    depth = _loop_depths(bodies)
+    where = loops(bodies)
     # A TPU back end may fuse all-reduce + dynamic-slice into one kCustom fusion that
     # runs as a true reduce-scatter; its emitter sits on the fusion, not the all-reduce.
     fused_scatter = {
@@ -410,8 +459,9 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                     dtype=shapes[0][0] if shapes else "?",
                     result_bytes=size,
                     group_size=len(group),
-                    in_loop=depth[name] > 0,
-                    loop_depth=depth[name],
+                    in_loop=where.depth[name] > 0,
+                    loop_depth=where.depth[name],
+                    trips=where.trips.get(name, 1),
                     is_async=is_async or name in fused_with,
                     emitter=algorithm.emitter,
                     group=group,
@@ -440,6 +490,7 @@ class DcnTransfer:
       slices: how many slices take part.
       in_loop: whether it runs inside the K-step loop (once per step).
       name: the send's instruction name.
+      trips: how many times it runs per run of the program (as :class:`Collective`'s).
     """
 
     kind: str
@@ -447,8 +498,13 @@ class DcnTransfer:
     slices: int
     in_loop: bool
     name: str = ""
+    trips: int = 1
     # The fields the send did not print, and what stands in for them.
     assumed: tuple[str, ...] = ()
+
+    def per_step(self, steps_per_loop: int, has_loop: bool) -> float:
+        """How many times it runs per training step (as :meth:`Collective.per_step`)."""
+        return self.trips / (steps_per_loop if has_loop else 1)
 
     @property
     def wire_bytes(self) -> float:
@@ -468,7 +524,7 @@ def dcn_transfers(hlo_text: str, num_slices: int) -> list[DcnTransfer]:
     and a send without an operand shape as 0 bytes.
     """
     bodies = computations(hlo_text)
-    depth = _loop_depths(bodies)
+    where = loops(bodies)
     found = []
     for name, lines in bodies.items():
         for line in lines:
@@ -490,7 +546,8 @@ def dcn_transfers(hlo_text: str, num_slices: int) -> list[DcnTransfer]:
                     kind=kind.group(1) if kind else "?",
                     bytes=shape_bytes("{}[{}]".format(*data[0])) if data else 0,
                     slices=len(_ints(target.group(1))) if target else num_slices,
-                    in_loop=depth[name] > 0,
+                    in_loop=where.depth[name] > 0,
+                    trips=where.trips.get(name, 1),
                     name=ins.name,
                     assumed=tuple(assumed),
                 )
@@ -498,10 +555,13 @@ def dcn_transfers(hlo_text: str, num_slices: int) -> list[DcnTransfer]:
     return found
 
 
-def bytes_by_kind(found: list[Collective], *, in_loop: bool = True) -> dict[str, float]:
-    """``{"<kind>/<dtype>": wire bytes per device}`` over the chosen collectives."""
+def bytes_by_kind(
+    found: list[Collective], *, steps_per_loop: int = 1, has_loop: bool = True
+) -> dict[str, float]:
+    """``{"<kind>/<dtype>": wire bytes per device per step}``: each collective times
+    the times it runs a step (:meth:`Collective.per_step`), in a program of
+    ``steps_per_loop`` steps."""
     out: dict[str, float] = collections.defaultdict(float)
     for c in found:
-        if c.in_loop == in_loop:
-            out[f"{c.kind}/{c.dtype}"] += c.wire_bytes
+        out[f"{c.kind}/{c.dtype}"] += c.wire_bytes * c.per_step(steps_per_loop, has_loop)
     return dict(out)

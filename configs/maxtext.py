@@ -1,0 +1,104 @@
+"""The models and runs of MaxText's published MFU tables, rebuilt with our decoder, to
+compile with ``trainer.aot`` on the same TPU topology and hold our estimates against
+measurements no one here made (``python scripts/published.py``; docs/aot.md).
+
+What MaxText measured (AI-Hypercomputer/maxtext: ``MaxText/configs/v5e/README.md``
+and ``16b.sh`` ... ``128b.sh``, Oct 2023; ``MaxText/configs/v5p/README.md`` and its
+``32b.sh``, ``64b.sh``, Dec 2023, all at commit 76bd53b0) is its "default" decoder of
+the time, not a Llama: one RMSNorm a layer feeding attention and the MLP side by side
+(a parallel block), a ReLU MLP of one matrix in and one out, multi-head attention
+with head_dim 256 (not emb / heads), a 32,768-id table tied to the output, 2,048
+tokens a row. ``global_parameter_scale`` 16/32/64/128 scales base emb 2560, 8 heads,
+mlp 8192, 16 layers (``pyconfig.get_individual_scales``). Runs: AdamW, bf16 matmuls
+on f32 weights, FSDP over the whole slice (``ici_fsdp_parallelism=-1``), batch per
+chip 6/4/2/1 with ``remat_policy=full`` on v5e-256 (128B: FSDP 16 x tensor 16), and
+batch 8/4 with ``remat_policy=minimal`` (dots without batch dims kept) and tensor
+parallelism 4 on v5p-128.
+
+    python -m trainer.aot --config configs/maxtext.py:v5e-32b --topology v5e:16x16 \\
+        --modes per_layer,wus
+
+Variants: ``v5e-16b``, ``v5e-32b``, ``v5e-64b``, ``v5e-128b`` (one v5e-256 slice),
+``v5p-32b``, ``v5p-64b`` (v5p-128: 64 chips), and ``slices=N`` (N slices, data
+parallel over the data-center network, as MaxText's ``dcn_data_parallelism``: the
+global batch is N times one slice's).
+"""
+
+import ml_collections
+
+from configs import common, llama
+
+VARIANTS = {
+    "v5e-16b": "MaxText's 16B (16.27B parameters) on a v5e-256 slice: 6 rows a chip",
+    "v5e-32b": "MaxText's 32B (32.55B) on a v5e-256 slice: 4 rows a chip",
+    "v5e-64b": "MaxText's 64B (64.76B) on a v5e-256 slice: 2 rows a chip",
+    "v5e-128b": "MaxText's 128B (129.19B) on a v5e-256 slice, FSDP 16 x tensor 16: 1 row a chip",
+    "v5p-32b": "MaxText's 32B on a v5p-128 slice (64 chips), tensor 4: 8 rows a chip",
+    "v5p-64b": "MaxText's 64B on a v5p-128 slice (64 chips), tensor 4: 4 rows a chip",
+}
+
+# global_parameter_scale -> (layers, emb, mlp, heads): base 16/2560/8192/8 scaled as
+# MaxText's pyconfig.get_individual_scales does.
+SCALES = {
+    16: (32, 5120, 32768, 32),
+    32: (32, 10240, 32768, 32),
+    64: (64, 10240, 32768, 32),
+    128: (64, 10240, 65536, 64),
+}
+# variant -> (scale, chips in a slice, rows a chip, remat, tensor parallelism, the
+# MFU MaxText measured on one slice and, where published, on two).
+RUNS = {
+    "v5e-16b": (16, 256, 6, "full", 1, 0.6110, 0.5937),
+    "v5e-32b": (32, 256, 4, "full", 1, 0.6686, 0.6481),
+    "v5e-64b": (64, 256, 2, "full", 1, 0.5990, 0.5666),
+    "v5e-128b": (128, 256, 1, "full", 16, 0.5606, 0.5582),
+    "v5p-32b": (32, 64, 8, "dots_no_batch", 4, 0.7147, 0.6943),
+    "v5p-64b": (64, 64, 4, "dots_no_batch", 4, 0.7031, 0.6726),
+}
+LENGTH = 2048
+
+
+def measured_mfu(variant: str, slices: int = 1) -> float:
+    """The MFU MaxText published for ``variant`` on ``slices`` slices (1 or 2)."""
+    return RUNS[variant][5 if slices == 1 else 6]
+
+
+def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
+    """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
+    parts, options = common.variant_options(variant, VARIANTS, ("slices",))
+    runs = [p for p in parts if p in RUNS]
+    if len(runs) != 1:
+        raise ValueError(f"name one of {', '.join(RUNS)} (got {variant!r})")
+    scale, chips, rows, remat, tensor, _, _ = RUNS[runs[0]]
+    slices = int(options.get("slices", 1))
+    layers, emb, mlp, heads = SCALES[scale]
+    config = llama.get_config("synthetic")
+    config.model.update(
+        vocab_size=32_768,
+        num_layers=layers,
+        emb_dim=emb,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=256,
+        mlp_dim=mlp,
+        mlp_activation="relu",
+        parallel_block=True,
+        tie_embeddings=True,
+        rope_scaling_factor=0.0,
+        rms_norm_eps=1e-6,
+        max_len=LENGTH,
+        remat=remat,
+    )
+    config.data.update(max_length=LENGTH, vocab_size=32_768)
+    config.global_batch_size = rows * chips * slices
+    config.mesh.axes = ml_collections.ConfigDict({"data": -1, "model": tensor})
+    config.mesh.dcn_axes = ml_collections.ConfigDict({"data": slices, "model": 1})
+    # MaxText's AdamW (base.yml of the time): b2 0.95, eps 1e-8, weight decay 0.1, clip 1.
+    config.optimizer.update(eps=1e-8)
+    config.optimizer.update_sharding = "per_layer"
+    config.num_train_steps = 30  # as its scripts ran
+    config.steps_per_loop = 2
+    config.log_every_steps = 2
+    config.eval_every_steps = 0
+    config.checkpoint_every_steps = 0
+    return config

@@ -1,0 +1,101 @@
+"""XLA's cost analysis of one training step (FLOPs, HBM bytes, ``optimal_seconds``),
+for a model whose layers run in a scan.
+
+XLA counts the body of a ``while`` once: right for the K-step loop (that is one
+step), too little for a loop over a model's layers inside it (``model.scan_layers``:
+one layer of each stack counted, not all). The figures of such a program are those
+of twins of it compiled with the layers unrolled, at depth 1 and at depth 2 for each
+stack: one more layer costs what the second one adds, so a stack of L layers costs
+``c(1) + (L - 1) (c(2) - c(1))``. Compiling an 80-layer model unrolled would take as
+long as 80 layers; the twins take as long as two (``tests/analysis/test_aot.py``
+holds the extrapolation against the full unroll of a small model). What the twins
+leave out: a layer's parameters below ``optimizer.min_shard_bytes`` at depth 1 or 2
+may be sharded at depth L, which changes their update's bytes, not the layers'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from trainer.training import experiment
+
+# The figures of XLA's cost analysis the estimates read, extrapolated per layer.
+KEYS = ("flops", "bytes accessed", "optimal_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """XLA's per-step figures and how they were had.
+
+    Attributes:
+      flops: FLOPs per step per device.
+      bytes_accessed: HBM bytes per step per device.
+      optimal_seconds: XLA's roofline of the step (negative: not usable; see
+        :mod:`trainer.analysis.compiled`).
+      how: ``program`` (no layer scan), ``unrolled`` or ``extrapolated``.
+      compile_s: seconds spent compiling twins for them (0 for ``program``).
+    """
+
+    flops: float
+    bytes_accessed: float
+    optimal_seconds: float
+    how: str
+    compile_s: float = 0.0
+
+
+def stack_depths(config) -> dict[str, int]:
+    """``{model.num_*layers key: depth}`` of a model whose layers run in a scan."""
+    model = config.model
+    if "scan_layers" not in model or not model.scan_layers:
+        return {}
+    return {k: int(v) for k, v in model.items() if k.startswith("num_") and k.endswith("layers")}
+
+
+def _figures(compiled) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {key: float(cost.get(key, 0.0)) for key in KEYS}
+
+
+def _twin(config, devices, depths: dict[str, int]) -> dict[str, float]:
+    """The figures of ``config`` with its stacks at ``depths``, unrolled."""
+    twin = config.copy_and_resolve_references()
+    twin.model.update(depths)
+    twin.model.scan_unroll = max(depths.values())
+    exp = experiment.build(twin, devices=devices, with_data=False)
+    lowered = experiment.lower_loop(exp, twin.steps_per_loop)
+    return _figures(experiment.compile_lowered(lowered, twin, xla_tpu_no_crash_on_oom=True))
+
+
+def per_step(compiled, config, devices, *, unroll: bool = False) -> StepCost:
+    """The per-step figures of ``compiled``, the program of ``config`` on ``devices``.
+
+    Args:
+      unroll: compile the whole model unrolled instead of extrapolating from depths
+        1 and 2 (what the extrapolation is tested against; as slow as the model is deep).
+    """
+    depths = stack_depths(config)
+    if not depths:
+        return StepCost(**_keyed(_figures(compiled)), how="program")
+    start = time.perf_counter()
+    if unroll:
+        figures, how = _twin(config, devices, depths), "unrolled"
+    else:
+        one = dict.fromkeys(depths, 1)
+        base = _twin(config, devices, one)
+        figures, how = dict(base), "extrapolated"
+        for stack, depth in depths.items():
+            if depth > 1:
+                two = _twin(config, devices, {**one, stack: 2})
+                for key in KEYS:
+                    figures[key] += (depth - 1) * (two[key] - base[key])
+    return StepCost(**_keyed(figures), how=how, compile_s=time.perf_counter() - start)
+
+
+def _keyed(figures: dict[str, float]) -> dict[str, float]:
+    return {
+        "flops": figures["flops"],
+        "bytes_accessed": figures["bytes accessed"],
+        "optimal_seconds": figures["optimal_seconds"],
+    }
