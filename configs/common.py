@@ -124,11 +124,13 @@ def base_config() -> ml_collections.ConfigDict:
     # (at 1/3 the padded reduce-scatter + bf16 gather move as much as an all-reduce).
     config.optimizer.max_shard_padding = 0.25
     # The candidates of update_sharding=auto (besides none), each a full compile: modes
-    # (fsdp only where wus does not fit HBM), shard_group_size values (empty = the
+    # (fsdp only where wus does not fit HBM, per_layer only where neither does; none,
+    # wus and fsdp are not compiled where the weights they hold alone exceed the HBM),
+    # shard_group_size values (empty = the
     # groupings on rings of the TPU torus: a row, two rows, a plane, ..., the whole
     # slice; trainer/parallel/torus.py) and min_shard_bytes values (empty = the one above).
     config.optimizer.auto = ml_collections.ConfigDict(
-        dict(modes=("wus", "fsdp"), shard_group_sizes=(), min_shard_bytes=())
+        dict(modes=("wus", "fsdp", "per_layer"), shard_group_sizes=(), min_shard_bytes=())
     )
     return config
 

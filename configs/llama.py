@@ -115,6 +115,8 @@ def model_section(**overrides) -> ml_collections.ConfigDict:
             mlp_activation="swiglu",  # swiglu (Llama) | relu (one matrix in, one out)
             parallel_block=False,  # attention and MLP side by side on one norm (PaLM)
             tie_embeddings=True,  # the output table is the input table
+            # dot (XLA) | flash (the Pallas TPU kernel: scores never in memory; TPU only)
+            attention="dot",
             max_len=8192,  # the longest sequence the model takes
             init_std=0.02,  # standard deviation of every initial weight (Llama's)
             dtype="bfloat16",  # activations and matmuls
@@ -137,7 +139,7 @@ def data_section(name: str = "text_files", **overrides) -> ml_collections.Config
         # Your documents: comma-separated globs (local or gs://) of .txt, .jsonl or .parquet
         # files, gzip allowed (trainer/input/text_files.py).
         train_files="",
-        eval_files="",
+        eval_files="",  # held-out documents for eval loss and perplexity, the same forms
         document="line",  # a .txt file holds a document a line | a blank_line between them
         text_field="text",  # the JSON key / Parquet column holding a document's text
         # A SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding

@@ -56,6 +56,22 @@ RUNS = {
     "v5p-64b": (64, 64, 4, "dots_no_batch", 4, 0.7031, 0.6726),
 }
 LENGTH = 2048
+# The LIBTPU_INIT_ARGS of MaxText's scripts (v5e: 16b.sh ... 128b.sh; v5p: 32b.sh, 64b.sh
+# at commit 76bd53b0), as compile options.
+_FLAGS = (
+    "xla_tpu_enable_data_parallel_all_reduce_opt=true "
+    "xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "xla_tpu_enable_async_collective_fusion=true "
+    "xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "xla_tpu_overlap_compute_collective_tc=true "
+    "xla_enable_async_all_gather=true"
+)
+FLAGS = {
+    "v5e": _FLAGS + " xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "v5p": _FLAGS
+    + " xla_tpu_megacore_fusion_allow_ags=false xla_enable_async_collective_permute=true"
+    " xla_tpu_enable_ag_backward_pipelining=true",
+}
 
 
 def measured_mfu(variant: str, slices: int = 1) -> float:
@@ -66,7 +82,7 @@ def measured_mfu(variant: str, slices: int = 1) -> float:
 def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     parts, options = common.variant_options(variant, VARIANTS, ("slices",))
-    runs = [p for p in parts if p in RUNS]
+    runs = [p for p in parts if p in RUNS] or ["v5e-32b"]  # v5e-32b: the default
     if len(runs) != 1:
         raise ValueError(f"name one of {', '.join(RUNS)} (got {variant!r})")
     scale, chips, rows, remat, tensor, _, _ = RUNS[runs[0]]
@@ -88,6 +104,10 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
         rms_norm_eps=1e-6,
         max_len=LENGTH,
         remat=remat,
+        # MaxText's attention='flash'. The kernel runs per device, in the replicas'
+        # vmap or shard_map; where tensor parallelism splits the heads (128B, v5p) it
+        # would need a shard_map over the model axis too: there XLA's attention runs.
+        attention="flash" if tensor == 1 else "dot",
     )
     config.data.update(max_length=LENGTH, vocab_size=32_768)
     config.global_batch_size = rows * chips * slices
@@ -96,6 +116,10 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     # MaxText's AdamW (base.yml of the time): b2 0.95, eps 1e-8, weight decay 0.1, clip 1.
     config.optimizer.update(eps=1e-8)
     config.optimizer.update_sharding = "per_layer"
+    # Gradients reduced in bf16, as MaxText's are assumed to be (JAX's gradient of a
+    # bf16 matmul is bf16; not read from a MaxText program).
+    config.optimizer.reduce_dtype = "bfloat16"
+    config.compiler_options = FLAGS[runs[0].split("-")[0]]
     config.num_train_steps = 30  # as its scripts ran
     config.steps_per_loop = 2
     config.log_every_steps = 2

@@ -62,6 +62,10 @@ class DecoderConfig:
         are added to it together (GPT-J, PaLM; MaxText's measured model); else one
         after the other, each with its own norm (Llama).
       tie_embeddings: the output (logits) table is the input table.
+      attention: ``"dot"`` (XLA: scores [batch, heads, length, length] in memory) or
+        ``"flash"``: the Pallas TPU flash-attention kernel of JAX
+        (``jax.experimental.pallas.ops.tpu``), blocks of 512, which never holds the
+        scores (MaxText's ``attention='flash'``; TPU only, and not when decoding).
       max_len: the longest sequence the model takes (decoding caches this many).
       init_std: standard deviation of every initial weight (Llama's 0.02).
       dtype: activations and matmuls; param_dtype: the weights.
@@ -86,6 +90,7 @@ class DecoderConfig:
     mlp_activation: str = "swiglu"
     parallel_block: bool = False
     tie_embeddings: bool = True
+    attention: str = "dot"
     max_len: int = 8192
     init_std: float = 0.02
     dtype: Any = jnp.bfloat16
@@ -105,6 +110,10 @@ class DecoderConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.mlp_activation not in ("swiglu", "relu"):
             raise ValueError(f"mlp_activation={self.mlp_activation!r}: swiglu or relu")
+        if self.attention not in ("dot", "flash"):
+            raise ValueError(f"attention={self.attention!r}: dot or flash")
+        if self.attention == "flash" and self.sliding_window:
+            raise ValueError("attention='flash' has no sliding window: use attention='dot'")
 
 
 def causal_mask(segment_ids: Array, window: int = 0) -> Array:
@@ -155,10 +164,13 @@ class Attention(nn.Module):
         q, k = rope.apply(q, positions, inv_freq), rope.apply(k, positions, inv_freq)
         if cfg.decode:
             k, v, mask = cached_block(self, k, v, mask)
-        # Query head h = kv_head * group + g: the order Hugging Face's repeat_kv gives.
-        q = q.reshape(q.shape[:2] + (kv_heads, group, cfg.head_dim))
-        out = attention(q, k, v, mask, cfg.dtype)
-        out = out.reshape(out.shape[:2] + (cfg.num_heads, cfg.head_dim))
+        if cfg.attention == "flash" and not cfg.decode:
+            out = _flash(q, k, v, mask)  # ``mask``: the segment ids, here
+        else:
+            # Query head h = kv_head * group + g: the order Hugging Face's repeat_kv gives.
+            q = q.reshape(q.shape[:2] + (kv_heads, group, cfg.head_dim))
+            out = attention(q, k, v, mask, cfg.dtype)
+            out = out.reshape(out.shape[:2] + (cfg.num_heads, cfg.head_dim))
         w_out = self.param(
             "out",
             named(init, "heads", "kv", "embed"),
@@ -166,6 +178,40 @@ class Attention(nn.Module):
             cfg.param_dtype,
         )
         return jnp.einsum("blhd,hde->ble", out, w_out.astype(cfg.dtype))
+
+
+def _flash(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+    """Causal attention within segments by the Pallas TPU flash kernel: q
+    [batch, length, heads, head_dim], k and v [batch, length, kv_heads, head_dim]."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415  (TPU)
+
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # head h: kv h // group
+    block = min(512, q.shape[1])
+    sizes = fa.BlockSizes(
+        block_q=block,
+        block_k_major=block,
+        block_k=block,
+        block_b=1,
+        block_q_major_dkv=block,
+        block_k_major_dkv=block,
+        block_k_dkv=block,
+        block_q_dkv=block,
+        block_k_major_dq=block,
+        block_k_dq=block,
+        block_q_dq=block,
+    )
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    out = fa.flash_attention(
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
+        segment_ids=fa.SegmentIds(segment_ids, segment_ids),
+        causal=True,
+        sm_scale=q.shape[-1] ** -0.5,
+        block_sizes=sizes,
+    )
+    return heads_first(out)
 
 
 class Mlp(nn.Module):
@@ -277,7 +323,9 @@ class Decoder(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         if mask is None and not cfg.decode:
             segments = jnp.ones_like(ids) if segment_ids is None else segment_ids
-            mask = causal_mask(segments, cfg.sliding_window)
+            # The flash kernel takes the segments and masks causally itself.
+            flash = cfg.attention == "flash"
+            mask = segments if flash else causal_mask(segments, cfg.sliding_window)
         x = nn.with_logical_constraint(self.token_embedding(ids), _EMBED_ACT)
         if cfg.scan_layers:
             x, _ = self.layers(x, positions, mask)

@@ -94,15 +94,15 @@ def report(results: dict[str, dict]) -> None:
                 how += "" if c["reading"] == "read" else " (assumed: no reading)"
                 key = (c["kind"], c["dtype"], c["bytes"], c["group_size"], c["async"], how)
                 entry = counts.setdefault(key, [0, 0.0])
-                entry[0] += round(c["times_per_step"])  # a layer scan's, once per layer
+                entry[0] += c["times_per_step"]  # a layer scan's, once per layer
                 entry[1] += c["est_seconds_per_step"]
         print("  collectives per step (n x kind dtype bytes group async algorithm, ms each):")
         for (kind, dtype, size, group, is_async, how), (n, ms) in sorted(
             counts.items(), key=lambda kv: -kv[0][2] * kv[1][0]
         ):
             sync = "async" if is_async else "sync"
-            line = f"{n:3d} x {kind:<14} {dtype:<4} {_mib(size):>13} {group:5d} {sync:<5} {how}"
-            print(f"    {line}  {ms * 1e3 / n:7.3f}")
+            line = f"{n:5.4g} x {kind:<14} {dtype:<4} {_mib(size):>13} {group:5d} {sync:<5} {how}"
+            print(f"    {line}  {ms * 1e3 / n if n else 0.0:7.3f}")
         moved = sum(c["bytes"] * c["times_per_step"] for c in r["collectives"])
         wire = sum(c["wire_bytes"] * c["times_per_step"] for c in r["collectives"])
         print(f"  collective buffer bytes    {_mib(moved):>16} per step")

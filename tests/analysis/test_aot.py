@@ -82,6 +82,7 @@ def report(devices, tmp_path_factory):
         return json.load(f), run.stdout, str(out.parent / "hlo")
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_json_schema(report):
     results, _, _ = report
     assert set(results) == {"none", "wus", "fsdp"}
@@ -124,6 +125,7 @@ def _layout_sizes(devices, **overrides):
     return sharded, unsharded, exp.model.num_params
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_collectives_the_step_should_have(report, devices):
     results, _, _ = report
     sharded, unsharded, num_params = _layout_sizes(devices)
@@ -149,6 +151,7 @@ def test_collectives_the_step_should_have(report, devices):
         assert all(c["group_size"] == 8 for c in r)
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_partial_sharding_gets_true_reduce_scatters(devices):
     """Over groups of 4 (not the whole slice) the v3 back end runs real reduce-scatters
     and all-gathers, then sums the shards across the 2 groups."""
@@ -167,6 +170,7 @@ def test_partial_sharding_gets_true_reduce_scatters(devices):
     assert total("all-gather", "bf16", 4) == 2 * sharded
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_memory_win_and_estimates(report):
     results, stdout, _ = report
     none, wus = results["none"], results["wus"]
@@ -318,6 +322,7 @@ def test_missing_libtpu_is_named_as_such(monkeypatch):
         compiled_lib.topology_devices("v3:2x2")
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_hlo_files_are_the_programs_counted(report):
     results, _, hlo_dir = report
     for mode, r in results.items():
@@ -333,6 +338,7 @@ def test_hlo_files_are_the_programs_counted(report):
         assert len(ops) == len(r["collectives"]), mode
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s
 def test_groups_on_a_v3_row_get_true_reduce_scatters():
     """Transformer-big's layer sizes (2 + 2 layers, 8 heads, a smaller vocabulary) in
     groups of 16, two rows of a v3:4x4 slice: every f32 all-reduce above 1 MiB in the
@@ -458,3 +464,46 @@ def test_only_a_slices_share_of_each_gradient_crosses_the_dcn():
         assert r["groups"].endswith("in each of 2 slices (DCN between them)")
         est = r["est_step_time_s"]["by_assumption"]
         assert est["compiler"]["dcn"] > 0 and est["pessimistic"]["dcn"] > est["compiler"]["dcn"]
+
+
+@pytest.mark.slow  # TPU compiles: 40-160 s
+def test_per_layer_gathers_every_layer_in_the_scan_and_the_extrapolated_cost_holds(devices):
+    """The tiny LM, 4 layers, on v3:2x2: each sharded weight of the stack is gathered
+    twice a layer (forward, and again in the backward pass) and its gradient reduced
+    once a layer, inside the scans; the per-step figures extrapolated from depths 1
+    and 2 are those of the model compiled unrolled."""
+    from configs import llama
+    from trainer.analysis import step_cost
+
+    config = llama.get_config("tiny,synthetic")
+    config.update_from_flattened_dict(
+        {
+            "model.num_layers": 4,
+            "model.emb_dim": 256,
+            "model.mlp_dim": 1024,
+            "model.head_dim": 64,
+            "global_batch_size": 16,
+            "steps_per_loop": 2,
+            "optimizer.update_sharding": "per_layer",
+        }
+    )
+    r = compiled_lib.analyze(config, devices)
+    exp = experiment.build(config, devices=devices, with_data=False)
+    layouts = jax.tree.leaves(exp.plan.layouts, is_leaf=lambda x: hasattr(x, "sharded"))
+    stacks = jax.tree.leaves(exp.plan.stacks)
+    in_scan = sum(lay.sharded and bool(s) for lay, s in zip(layouts, stacks, strict=True))
+    whole = sum(lay.sharded and not s for lay, s in zip(layouts, stacks, strict=True))
+    assert in_scan == 7  # q, k, v, out, gate, up, down
+    gathers = [c for c in r["collectives"] if c["kind"] == "all-gather" and c["dtype"] == "bf16"]
+    per_step = sum(c["times_per_step"] for c in gathers)
+    assert per_step == 2 * 4 * in_scan + whole
+    assert max(c["times_per_step"] for c in gathers) == 4  # one a layer, in a loop
+    # The figures: extrapolated from depths 1 and 2, and of the full unroll.
+    lowered = experiment.lower_loop(exp, 2)
+    compiled = experiment.compile_lowered(lowered, config)
+    guess = step_cost.per_step(compiled, config, devices)
+    full = step_cost.per_step(compiled, config, devices, unroll=True)
+    assert guess.how == "extrapolated" and full.how == "unrolled"
+    assert guess.flops == pytest.approx(full.flops, rel=0.01)
+    assert guess.bytes_accessed == pytest.approx(full.bytes_accessed, rel=0.05)
+    assert guess.optimal_seconds == pytest.approx(full.optimal_seconds, rel=0.05)

@@ -337,12 +337,16 @@ def test_the_2d_all_gather_carries_half_again_over_the_chips():
 
 def test_step_estimate_bounds():
     pod = _torus(4, 4)
+    # In the 10-step loop a collective runs 10 times a call (once a step); outside it,
+    # once per call of the program (once per 10 steps).
     colls = [
-        _coll("all-reduce", 2**26, range(32)),
+        dataclasses.replace(_coll("all-reduce", 2**26, range(32)), trips=10),
         dataclasses.replace(
-            _coll("all-gather", 2**25, range(32), is_async=True), name="all-gather-start.1"
+            _coll("all-gather", 2**25, range(32), is_async=True),
+            name="all-gather-start.1",
+            trips=10,
         ),
-        _coll("all-reduce", 2**26, range(32), in_loop=False),  # once per K steps
+        _coll("all-reduce", 2**26, range(32), in_loop=False),
     ]
     compute = costmodel.roofline_seconds(1e12, 1e9, V3, 2)
     assert compute == pytest.approx(max(1e12 / 61.5e12, 1e9 / 450e9))

@@ -221,7 +221,7 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
                 "--modes",
                 "wus,bogus",
             ),
-            "--modes: 'bogus' not one of none, wus, fsdp, auto",
+            "--modes: 'bogus' not one of none, wus, fsdp, per_layer, auto",
         ),
         "init_from its own directory": (
             trainer("own", init_from=os.path.join(tmp, "own")),
@@ -344,9 +344,22 @@ def _damaged_models(tmp: str) -> None:
     damaged("vocab", vocab_size=300)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Every case's result, run 3 at a time (most of their time is importing JAX)."""
+# The cases the default suite runs: one or two of each command and input family (each
+# case is a process that imports JAX: seconds). ``pytest -m slow`` runs the others.
+DEFAULT_CASES = (
+    "no config file",
+    "typo in a key",
+    "aot mode unknown",
+    "an empty corpus",
+    "a field that changes the computation",
+    "an export over a directory that is not empty",
+)
+OTHER_CASES = tuple(name for name in _cases("/tmp") if name not in DEFAULT_CASES)
+
+
+def _results(tmp_path_factory, names) -> dict:
+    """The results of the cases ``names``, run 3 at a time (most of their time is
+    importing JAX)."""
     tmp = str(tmp_path_factory.mktemp("mistakes"))
     open(os.path.join(tmp, "afile"), "w").close()
     with open(os.path.join(tmp, "empty.txt"), "w") as f:
@@ -370,21 +383,40 @@ def results(tmp_path_factory):
     with open(os.path.join(tmp, "cut", "config.json"), "w") as f:
         f.write(transformer_1024.get_config("tiny").to_json_best_effort()[:100])
     _damaged_models(tmp)
-    cases = _cases(tmp)
+    cases = {name: case for name, case in _cases(tmp).items() if name in names}
     with ThreadPoolExecutor(3) as pool:
         done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
     return {name: (done[name], cases[name][1]) for name in cases}
 
 
-@pytest.mark.parametrize("name", list(_cases("/tmp")))
-def test_mistake_is_one_error_line(results, name):
-    result, message = results[name]
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _results(tmp_path_factory, DEFAULT_CASES)
+
+
+@pytest.fixture(scope="module")
+def other_results(tmp_path_factory):
+    return _results(tmp_path_factory, OTHER_CASES)
+
+
+def _is_one_error_line(result, message):
     assert result.returncode not in (0, None), result.stdout[-2000:] + result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert message in errors[0], errors[0]
     assert result.stderr.strip().splitlines()[-1] == errors[0]
+
+
+@pytest.mark.parametrize("name", DEFAULT_CASES)
+def test_mistake_is_one_error_line(results, name):
+    _is_one_error_line(*results[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OTHER_CASES)
+def test_more_mistakes_are_one_error_line(other_results, name):
+    _is_one_error_line(*other_results[name])
 
 
 def test_busy_workdir_is_refused_naming_the_holder(tmp_path):
@@ -531,6 +563,7 @@ def test_launcher_killed_mid_loop_or_mid_save_takes_its_processes_along(tmp_path
     assert not glob.glob(str(checkpoints / "*tmp*"))
 
 
+@pytest.mark.slow  # waits out a previous run's process
 def test_new_run_waits_for_the_last_process_of_the_previous_one(tmp_path):
     import fcntl
 

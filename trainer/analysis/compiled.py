@@ -112,26 +112,9 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     exp = experiment.build(config, devices=devices, with_data=False)
     k = config.steps_per_loop
     start = time.perf_counter()
-    lowered = experiment.lower_loop(exp, k)
-    try:
-        compiled, oom = experiment.compile_lowered(lowered, config), ""
-    except jax.errors.JaxRuntimeError as e:
-        if "Ran out of memory" not in str(e):
-            raise
-        # The TPU compiler refuses a program over its HBM limit; compile it again
-        # with the check off to learn how much it needs.
-        oom = " ".join(str(e).split())
-        compiled = experiment.compile_lowered(lowered, config, xla_tpu_no_crash_on_oom=True)
+    compiled, oom = _compile(experiment.lower_loop(exp, k), config)
     compile_s = time.perf_counter() - start
-
-    memory = compiled.memory_analysis()
-    hbm = {
-        "argument": int(memory.argument_size_in_bytes),
-        "output": int(memory.output_size_in_bytes),
-        "temp": int(memory.temp_size_in_bytes),
-        "generated_code": int(memory.generated_code_size_in_bytes),
-        "alias": int(memory.alias_size_in_bytes),
-    }
+    hbm = _hbm(compiled)
     # Donated inputs alias their outputs: count those bytes once.
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
     cost = step_cost.per_step(compiled, config, devices)
@@ -147,6 +130,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     cores = topo.cores_per_chip
     per_host = sum(d.process_index == slice_devices[0].process_index for d in slice_devices)
     flops, bytes_accessed, xla_seconds = cost.flops, cost.bytes_accessed, cost.optimal_seconds
+    # Kernels XLA counts as free (flash attention's backward), at the chip's peak.
+    uncosted_s = cost.uncosted_flops / accelerator.peak_flops(cores)
     roofline = costmodel.roofline_seconds(flops, bytes_accessed, accelerator, cores)
     # XLA's optimal_seconds of a multi-slice program comes out negative (-30 s and
     # change, libtpu 0.0.42.1: its DCN transfers' entry); there the compute is the
@@ -154,9 +139,10 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     compute_source = "xla" if xla_seconds > 0 else "roofline"
     bandwidth = accelerator.hbm_bandwidth(cores)
     windows = {n: b / bandwidth for n, b in schedule.window_bytes(text, found).items()}
+    compute_s = (xla_seconds if compute_source == "xla" else roofline) + uncosted_s
     estimates = {
         name: costmodel.estimate_step(
-            compute_s=xla_seconds if compute_source == "xla" else roofline,
+            compute_s=compute_s,
             collectives=found,
             topo=topo,
             steps_per_loop=k,
@@ -188,34 +174,10 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "xla_optimal_seconds": xla_seconds,
         "roofline_seconds": roofline,
         "compute_source": compute_source,
+        # Flash attention's backward kernels, which XLA counts as free (step_cost.py).
+        "uncosted_flops_per_step": cost.uncosted_flops,
         "collectives": [
-            {
-                "kind": c.kind,
-                "dtype": c.dtype,
-                "bytes": c.buffer_bytes,
-                "wire_bytes": c.wire_bytes,
-                "group_size": c.group_size,
-                "async": c.is_async,
-                "emitter": c.emitter,
-                "strategy": c.algorithm.strategy,
-                "colors": c.algorithm.colors,
-                "phases": c.algorithm.phases,
-                "algorithm_dims": c.algorithm.dims,
-                # How the cost model runs it (costmodel.reading): read, or assumed.
-                "both_ways": costmodel.reading(c).both_ways,
-                "bytes_factor": costmodel.reading(c).bytes_factor,
-                "reading": costmodel.reading(c).note,
-                "per_step": c.in_loop or not has_loop,
-                # Runs a step: a collective inside a layer scan runs once per layer.
-                "times_per_step": c.per_step(k, has_loop),
-                "est_seconds_per_step": estimates[costmodel.COMPILER][1][i],
-                # What the schedule runs while an asynchronous one is in flight.
-                "overlap_window_s": windows.get(c.name, 0.0) if c.is_async else 0.0,
-                "est_seconds_by_assumption": {
-                    name: seconds[i] for name, (_, seconds) in estimates.items()
-                },
-            }
-            for i, c in enumerate(found)
+            _collective_row(c, i, k, has_loop, estimates, windows) for i, c in enumerate(found)
         ],
         # What crosses slices over the data-center network, per step.
         "dcn_transfers": [
@@ -238,15 +200,7 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "est_step_time_s": {
             "overlap": estimate.overlap_s,
             "no_overlap": estimate.no_overlap_s,
-            "by_assumption": {
-                name: {
-                    "overlap": e.overlap_s,
-                    "no_overlap": e.no_overlap_s,
-                    "collectives": e.async_collective_s + e.sync_collective_s,
-                    "dcn": e.dcn_s,
-                }
-                for name, (e, _) in estimates.items()
-            },
+            "by_assumption": {name: _times(e) for name, (e, _) in estimates.items()},
         },
         "est_compute_s": estimate.compute_s,
         "compile_s": compile_s,
@@ -254,6 +208,72 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
         "cost_compile_s": cost.compile_s,
         "cost_how": cost.how,
         "hlo": text if keep_hlo else None,
+    }
+
+
+def _compile(lowered, config):
+    """``(compiled, "")``, or for a program over the HBM limit ``(compiled with the
+    check off, the compiler's message)``: the TPU compiler refuses such a program,
+    and compiling it again with the check off tells how much it needs."""
+    try:
+        return experiment.compile_lowered(lowered, config), ""
+    except jax.errors.JaxRuntimeError as e:
+        if "Ran out of memory" not in str(e):
+            raise
+        oom = " ".join(str(e).split())
+        return experiment.compile_lowered(lowered, config, xla_tpu_no_crash_on_oom=True), oom
+
+
+def _hbm(compiled) -> dict[str, int]:
+    memory = compiled.memory_analysis()
+    return {
+        "argument": int(memory.argument_size_in_bytes),
+        "output": int(memory.output_size_in_bytes),
+        "temp": int(memory.temp_size_in_bytes),
+        "generated_code": int(memory.generated_code_size_in_bytes),
+        "alias": int(memory.alias_size_in_bytes),
+    }
+
+
+def _times(e: costmodel.StepEstimate) -> dict[str, float]:
+    collectives = e.async_collective_s + e.sync_collective_s
+    return {
+        "overlap": e.overlap_s,
+        "no_overlap": e.no_overlap_s,
+        "collectives": collectives,
+        "dcn": e.dcn_s,
+    }
+
+
+def _collective_row(
+    c: hlo.Collective, i: int, k: int, has_loop: bool, estimates: dict, windows: dict
+) -> dict:
+    """The report of collective ``c`` (the ``i``-th found), with its seconds under
+    each assumption of ``estimates``."""
+    reading = costmodel.reading(c)
+    return {
+        "kind": c.kind,
+        "dtype": c.dtype,
+        "bytes": c.buffer_bytes,
+        "wire_bytes": c.wire_bytes,
+        "group_size": c.group_size,
+        "async": c.is_async,
+        "emitter": c.emitter,
+        "strategy": c.algorithm.strategy,
+        "colors": c.algorithm.colors,
+        "phases": c.algorithm.phases,
+        "algorithm_dims": c.algorithm.dims,
+        # How the cost model runs it (costmodel.reading): read, or assumed.
+        "both_ways": reading.both_ways,
+        "bytes_factor": reading.bytes_factor,
+        "reading": reading.note,
+        "per_step": c.in_loop or not has_loop,
+        # Runs a step: a collective inside a layer scan runs once per layer.
+        "times_per_step": c.per_step(k, has_loop),
+        "est_seconds_per_step": estimates[costmodel.COMPILER][1][i],
+        # What the schedule runs while an asynchronous one is in flight.
+        "overlap_window_s": windows.get(c.name, 0.0) if c.is_async else 0.0,
+        "est_seconds_by_assumption": {name: secs[i] for name, (_, secs) in estimates.items()},
     }
 
 
@@ -315,19 +335,36 @@ def choose_update_sharding(config, devices: list, log=print):
         return row
 
     log(f"  {'candidate':<58} {'HBM/core':>12} {'':12} step, compiler-literal (optimistic)")
-    rows = [trial("none", 0, opt.min_shard_bytes)]
+    floors = _hbm_floors(config, devices)
+    capacity = hardware.lookup(devices[0].device_kind).hbm_bytes(_cores_per_chip(devices))
+
+    def fits_at_all(mode: str) -> bool:
+        # Not compiled where what the mode must hold alone exceeds the HBM (minutes saved).
+        if floors[mode][0] <= capacity:
+            return True
+        log(f"  {mode:<58} {'':>12} {'DOES NOT FIT':<12} {floors[mode][1]}: not compiled")
+        return False
+
+    rows = [trial("none", 0, opt.min_shard_bytes)] if fits_at_all("none") else []
+    gathers_whole = [m for m in ("wus", "fsdp") if m in opt.auto.modes and fits_at_all(m)]
     for group in candidate_groups(config, devices):
         for threshold in thresholds:
-            if "wus" in opt.auto.modes:
-                rows.append(trial("wus", group, threshold))
-            if "fsdp" in opt.auto.modes and not ("wus" in opt.auto.modes and rows[-1]["fits"]):
-                rows.append(trial("fsdp", group, threshold))
+            fit = False
+            for mode in gathers_whole:
+                if mode == "fsdp" and fit:
+                    continue  # ZeRO-3 gathers twice: it only wins on memory
+                rows.append(trial(mode, group, threshold))
+                fit = fit or rows[-1]["fits"]
+            # Layer by layer where gathering the stacks whole does not fit.
+            if "per_layer" in opt.auto.modes and floors["per_layer"][0] and not fit:
+                rows.append(trial("per_layer", group, threshold))
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
-        least = min(rows, key=lambda r: r["hbm_bytes_per_core"])
+        least = min(rows, key=lambda r: r["hbm_bytes_per_core"], default=None)
+        need = f"; the smallest needs {_gib(least['hbm_bytes_per_core']):.2f} GiB" if least else ""
         raise ConfigError(
-            f"update_sharding=auto: no candidate fits the {_gib(least['hbm_capacity_bytes'])} "
-            f"GiB of HBM per core; the smallest needs {_gib(least['hbm_bytes_per_core'])} GiB"
+            f"update_sharding=auto: no candidate fits the {_gib(capacity):.2f} GiB of HBM per "
+            f"core{need}"
         )
     best = min(
         fitting,
@@ -343,6 +380,29 @@ def choose_update_sharding(config, devices: list, log=print):
     )
     log(f"update_sharding=auto chose: {_candidate_name(best)}")
     return config, rows, best
+
+
+def _cores_per_chip(devices: list) -> int:
+    return len({getattr(d, "core_on_chip", 0) for d in devices})
+
+
+def _hbm_floors(config, devices: list) -> dict[str, tuple[float, str]]:
+    """Per mode, bytes a core must hold whatever else the program needs, and why:
+    ``none`` its model-parallel share of the float32 weights and their gradient
+    (8 bytes a parameter), ``wus`` and ``fsdp`` the weights gathered whole for the
+    forward pass (in ``gather_dtype``). ``per_layer`` gets 1 where the model has layer
+    stacks to gather (else 0: not a candidate)."""
+    model = experiment.build_model(config, devices=devices, with_data=False)
+    model_ways = model.mesh.devices.size // mesh_lib.data_parallel_size(model.mesh)
+    share = model.num_params / model_ways
+    gathered = jax.numpy.dtype(config.optimizer.gather_dtype).itemsize * share
+    stacks = any(jax.tree.leaves(model.layer_stacks))
+    return {
+        "none": (8 * share, f"float32 weights and gradients alone: {_gib(8 * share):.1f} GiB"),
+        "wus": (gathered, f"the weights gathered whole alone: {_gib(gathered):.1f} GiB"),
+        "fsdp": (gathered, f"the weights gathered whole alone: {_gib(gathered):.1f} GiB"),
+        "per_layer": (float(stacks), ""),
+    }
 
 
 def _candidate_name(r: dict) -> str:

@@ -357,7 +357,7 @@ def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
     constants = [
         int(m.group(1))
         for text in lines
-        for m in [re.search(r"= s32\[\] constant\((\d+)\)", text)]
+        for m in [re.search(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)", text)]
         if m
     ]
     compares = [text for text in lines if " compare(" in text and "direction=LT" in text]

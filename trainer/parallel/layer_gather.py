@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 from flax import traverse_util
 from jax.sharding import PartitionSpec
@@ -96,6 +97,10 @@ def _data_only(spec: PartitionSpec, data: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
+def _axes(axis) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis or ())
+
+
 def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
     """``(stored, model_state, rows, rngs, weight) -> (sum of the replicas' losses,
     (their metric sums, their model states))``: ``replica_loss`` of every data
@@ -153,13 +158,22 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
             else:  # replicated: the shard_map's transpose sums its gradient over data
                 weights.append(x)
         params = jax.tree.unflatten(treedef, weights)
-        with layer_weights.transforming(transforms(dtypes)):
+        # The model's sharding constraints may name only the axes left to the compiler.
+        rules = tuple(
+            (logical, None if set(_axes(axis)) & manual else axis)
+            for logical, axis in nn.get_logical_axis_rules()
+        )
+        with nn.logical_axis_rules(rules), layer_weights.transforming(transforms(dtypes)):
             loss, aux = replica_loss(
                 params, model_state, jax.tree.map(lambda r: r[0], rows), rngs[0], weight
             )
         return loss[None], jax.tree.map(lambda a: a[None], aux)
 
     replica = PartitionSpec(data)
+    # Manual over the data axes and any of size 1: the model axis, when it splits
+    # nothing, is no reason to leave kernels to the partitioner (a Pallas kernel
+    # cannot be partitioned automatically).
+    manual = frozenset(data) | {a for a, n in mesh.shape.items() if n == 1}
     stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in layouts)
 
     def run(stored, model_state, rows, rngs, weight):
@@ -168,7 +182,7 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
             mesh=mesh,
             in_specs=(stored_specs, PartitionSpec(), replica, replica, PartitionSpec()),
             out_specs=(replica, replica),
-            axis_names=frozenset(data),
+            axis_names=manual,
             # Our collectives' gradients are explicit (custom_vjp): no implicit psums.
             check_vma=False,
         )(tuple(treedef.flatten_up_to(stored)), model_state, rows, rngs, weight)
