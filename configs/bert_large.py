@@ -68,8 +68,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         # BERT's masking: 15% of a row's tokens, at most 76 (MLPerf's max_predictions_per_seq),
         # 80% replaced by the mask, 10% by a random token, 10% left.
         masked=True,
-        mask_rate=0.15,
-        max_predictions=76,
+        mask_rate=0.15,  # the share of a row's tokens masked
+        max_predictions=76,  # masked tokens a row at most
     )
     # LAMB as MLPerf's BERT reference runs it (its reference convergence point at batch
     # 256: learning rate 3.5e-4, betas 0.9/0.999, eps 1e-6, weight decay 0.01, no

@@ -105,6 +105,7 @@ def _under_pty(command: list[str], timeout: float = 300) -> tuple[int, str]:
     return process.wait(), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow  # a run on a pseudo-terminal: ~18 s
 def test_a_terminal_gets_bars_and_a_log_gets_plain_lines(tmp_path):
     # Generating the embedded dataset and training its vocabulary: the phases of a
     # first run, through the command that does them ahead.
@@ -147,10 +148,16 @@ COMMANDS = [
     "trainer.aot",
     "trainer.data.bench",
     "trainer.data.prepare",
+    "trainer.generate",
 ]
+# Each --help is a process that imports JAX (~4 s): the slow suite reads the others'.
+DEFAULT_HELP = ("trainer", "trainer.export", "trainer.generate")
 
 
-@pytest.mark.parametrize("module", COMMANDS)
+@pytest.mark.parametrize(
+    "module",
+    [pytest.param(m, marks=[] if m in DEFAULT_HELP else [pytest.mark.slow]) for m in COMMANDS],
+)
 def test_help_is_plain_and_ends_with_an_example(module):
     result = run_command([sys.executable, "-m", module, "--help"], timeout=120)
     assert result.returncode == 0, result.stderr
@@ -159,8 +166,9 @@ def test_help_is_plain_and_ends_with_an_example(module):
     assert "``" not in text and ":func:" not in text and ":mod:" not in text
     assert REPO not in text  # no absolute module path
     assert "(default: 'None')" not in text
-    last = text.rstrip().splitlines()
-    assert last[-2] == "example:" and last[-1].startswith(f"  python -m {module} ")
+    lines = text.rstrip().splitlines()
+    examples = lines[lines.index("example:") + 1 :]
+    assert examples and all(line.startswith(f"  python -m {module} ") for line in examples)
 
 
 @pytest.mark.parametrize("module", ["launch.local", "launch.gcs_emulator", "launch.bench"])
@@ -259,6 +267,7 @@ def test_the_launcher_drops_gloo_lines_and_speaks_when_quiet(monkeypatch):
     assert "[launch] 2 of 2 processes running, " in out.getvalue()
 
 
+@pytest.mark.slow  # ~11 s
 def test_bench_plan_prints_the_plan_and_times_nothing():
     # What the README sends users to for parameter names: seconds, not minutes.
     command = [sys.executable, "-m", "trainer.bench", "--config=configs/transformer_1024.py:tiny"]

@@ -10,7 +10,7 @@ one module per layer, whichever way it trained. ``--format hf``: a decoder run a
 Hugging Face model directory that ``transformers`` loads
 (:mod:`trainer.inference.hf_export`).
 
-Examples:
+Example:
 python -m trainer.export --workdir /tmp/demo --out /tmp/demo_params --dtype bfloat16
 python -m trainer.export --workdir /tmp/mylm --format hf --out /tmp/mylm_hf --dtype bfloat16
 """

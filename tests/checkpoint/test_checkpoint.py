@@ -54,6 +54,7 @@ def saved_run(data_dir, tmp_path_factory):
     return workdir, logical_params(experiment.build(config), state)
 
 
+@pytest.mark.slow  # runs end to end: 15-36 s (the LM resume test stays in the default suite)
 def test_resumed_run_equals_uninterrupted_run(data_dir, saved_run, tmp_path):
     workdir, final = saved_run
     # Stop at step 10 (as if preempted), then resume to 20 in the same workdir.
@@ -86,6 +87,7 @@ def test_resumed_run_equals_uninterrupted_run(data_dir, saved_run, tmp_path):
         {"optimizer.update_sharding": "fsdp"},
     ],
 )
+@pytest.mark.slow  # a saved run and five restores: ~45 s, cold
 def test_restore_reshards(data_dir, saved_run, overrides):
     workdir, final = saved_run
     config = tiny(data_dir, **overrides)
@@ -101,6 +103,7 @@ def test_restore_reshards(data_dir, saved_run, overrides):
     assert_trees_equal(logical_params(exp, state), final)
 
 
+@pytest.mark.slow  # runs end to end: 15-36 s (the LM resume test stays in the default suite)
 def test_restore_from_none_into_wus(data_dir, tmp_path):
     config = tiny(data_dir, num_train_steps=10, **{"optimizer.update_sharding": "none"})
     state = train_lib.train(config, str(tmp_path))
@@ -112,6 +115,7 @@ def test_restore_from_none_into_wus(data_dir, tmp_path):
     )
 
 
+@pytest.mark.slow  # on the module's saved run (~30 s to make, cold)
 def test_shape_mismatch_names_the_parameter(data_dir, saved_run):
     workdir, _ = saved_run
     exp = experiment.build(tiny(data_dir, **{"model.mlp_dim": 128}))
@@ -121,6 +125,7 @@ def test_shape_mismatch_names_the_parameter(data_dir, saved_run):
         checkpoint_lib.Checkpointer(workdir, keep=3).restore(exp.logical_state)
 
 
+@pytest.mark.slow  # on the module's saved run (~30 s to make, cold)
 def test_corrupted_checkpoint_is_moved_aside(data_dir, saved_run, tmp_path, capsys):
     workdir = str(tmp_path / "copy")
     shutil.copytree(saved_run[0], workdir)
@@ -183,6 +188,7 @@ def _wait_for(proc, text, timeout=240):
     raise AssertionError(f"never saw {text!r}:\n{''.join(lines)[-3000:]}")
 
 
+@pytest.mark.slow  # fault injection on a run end to end
 def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
     proc = _start(str(tmp_path), data_dir, checkpoint_every_steps=0)
     _wait_for(proc, "step      10/")
@@ -194,6 +200,7 @@ def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
     assert len(steps) == 1 and steps[0] >= 10 and steps[0] % 5 == 0
 
 
+@pytest.mark.slow  # fault injection on a run end to end
 def test_sigkill_during_save_leaves_only_complete_checkpoints(data_dir, tmp_path):
     proc = _start(str(tmp_path), data_dir, checkpoint_every_steps=5)
     _wait_for(proc, "step      10/")
@@ -218,6 +225,7 @@ def test_sigkill_during_save_leaves_only_complete_checkpoints(data_dir, tmp_path
     assert restored_step == steps[-1]
 
 
+@pytest.mark.slow  # on the module's saved run (~30 s to make, cold)
 def test_export_writes_plain_params(data_dir, saved_run, tmp_path):
     import orbax.checkpoint as ocp
 
@@ -232,6 +240,7 @@ def test_export_writes_plain_params(data_dir, saved_run, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), want.astype(jax.numpy.bfloat16))
 
 
+@pytest.mark.slow  # runs end to end: 15-36 s (the LM resume test stays in the default suite)
 def test_nonfinite_checkpoint_is_moved_aside_and_the_restart_said(
     data_dir, tmp_path, monkeypatch, capsys
 ):

@@ -237,6 +237,7 @@ print(json.dumps({"index": jax.process_index(), "count": jax.process_count(),
 
 
 @pytest.mark.parametrize(("nodes", "visible"), [(2, ["all", "all"]), (1, ["0", "1"])])
+@pytest.mark.slow  # two processes joined as one job
 def test_two_slurm_tasks_really_join(nodes, visible):
     """Two real processes under srun's variables (on this machine) start the
     runtime; as one task per node they see all GPUs, as two tasks on one node

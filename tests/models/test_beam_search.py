@@ -149,6 +149,7 @@ def test_beam_of_one_without_penalty_is_greedy():
     np.testing.assert_array_equal(beam, greedy)
 
 
+@pytest.mark.slow  # ~8 s of compiles, cold
 def test_padded_rows_decode_as_when_alone():
     # Rows of different lengths (and a padding row) in one batch: each row's beam output
     # equals that row decoded on its own, without padding.

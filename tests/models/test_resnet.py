@@ -358,6 +358,7 @@ def test_cross_replica_batch_norm_gradients(f32_tiny):
     assert_close(jax.tree.map(lambda g: g.sum(0), grads), expected, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow  # ~8 s of compiles, cold
 def test_bfloat16_params(f32_tiny):
     # The trainer may hand the model params already cast to bf16, also when differentiating.
     _, variables = f32_tiny

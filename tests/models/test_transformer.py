@@ -274,6 +274,7 @@ def test_dropout_only_in_train_mode(f32_model):
     assert not np.allclose(train_a, apply(variables, inputs, targets, train=True, rngs=other))
 
 
+@pytest.mark.slow  # 10-30 s of compiles, cold (the decoder's stacks: default suite)
 def test_bfloat16_params(bf16_model):
     # The trainer may hand the model params already cast to bf16, also when differentiating.
     model, variables, apply = bf16_model
@@ -332,6 +333,7 @@ def f32_layers():
     return build(tiny(dtype=jnp.float32, num_encoder_layers=2, num_decoder_layers=3))
 
 
+@pytest.mark.slow  # 10-30 s of compiles, cold (the decoder's stacks: default suite)
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_scanned_layers_compute_what_the_unscanned_ones_do(f32_layers, remat):
     from flax import traverse_util

@@ -330,6 +330,7 @@ def test_wus_step_collectives(mesh):
     assert bool(others) == (mesh == "data4_model2")
 
 
+@pytest.mark.slow  # ~12 s of compiles, cold
 def test_buckets_gather_small_weights_together():
     # After SPMD partitioning (CPU HLO): one bf16 all-gather per bucket, of the bucket's
     # bytes, and one for each parameter in none; the reduce-scatters stay per parameter.
@@ -347,6 +348,7 @@ def test_buckets_gather_small_weights_together():
     assert len(scatters) == len(sharded)
 
 
+@pytest.mark.slow  # compiles four programs: ~35 s
 def test_accumulation_keeps_one_gather_and_one_reduce_per_step():
     exp, layouts, low, found = _step_collectives("wus", accumulate=2)
     _check_weight_collectives(exp, layouts, low, found, gathers_per_step=1, depth=1)
@@ -354,6 +356,7 @@ def test_accumulation_keeps_one_gather_and_one_reduce_per_step():
     assert hlo.bytes_by_kind(found) == bytes_one
 
 
+@pytest.mark.slow  # ~12 s of compiles, cold
 def test_fsdp_gathers_again_for_the_backward_pass():
     exp, layouts, low, found = _step_collectives("fsdp", accumulate=2)
     # Inside the micro-batch loop: gathered for the forward and again for the

@@ -157,7 +157,30 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mesh, mode, opt", CASES)
+# The cases the slow suite adds (each 10-30 s of compiles, cold): the default suite
+# keeps Adam and LAMB under wus, on data-parallel devices and on layer stacks.
+SLOW_CASES = {
+    ("group2", "wus", "lars"),
+    ("data8", "none", "adam"),
+    ("data4_model2", "wus", "adamw_callable"),
+    ("data8", "wus", "lars"),
+    ("data8", "fsdp", "adam"),
+    ("buckets", "wus", "adam"),
+    ("data8", "wus", "adamw"),
+    ("data8", "wus", "adamw_callable"),
+    ("data8", "wus", "sgd"),
+    ("data8", "fsdp", "lamb"),
+    ("data4_model2", "none", "adamw_callable"),
+    ("data4_model2", "fsdp", "adamw_callable"),
+    ("buckets", "fsdp", "adam"),
+    ("scanned", "fsdp", "adam"),
+}
+
+
+@pytest.mark.parametrize(
+    "mesh, mode, opt",
+    [pytest.param(*c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES],
+)
 def test_train_step_matches_plain_optax(mesh, mode, opt):
     _, _, before, state, _, exp, _ = run_case(mesh, mode, opt)
     want = reference_case(opt, "scanned" if mesh == "scanned" else "data8")
@@ -168,6 +191,7 @@ def test_train_step_matches_plain_optax(mesh, mode, opt):
     assert max(jax.tree.leaves(moved)) > 200 * ATOL_F32  # the params did move
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 def test_logged_norms_match_plain_optax():
     # On 6 devices several stored tensors carry padding; the norms the step reports
     # (computed on the shards) must be those of the real tensors.
@@ -182,6 +206,7 @@ def test_logged_norms_match_plain_optax():
     assert metrics["grad_norm"][0] > 0.5  # clip_norm=0.5 is active: norms are pre-clipping
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 @pytest.mark.parametrize("mode", ["wus", "fsdp"])
 def test_accumulation_matches_one_big_batch(mode):
     *_, one, _, exp, metrics_one = run_case("data8", mode, "adam")
@@ -191,6 +216,7 @@ def test_accumulation_matches_one_big_batch(mode):
     assert_close(logical(exp2, two.params), reference_case("adam"), ATOL_F32, "A=2 vs reference")
 
 
+@pytest.mark.slow  # ~19 s of compiles, cold
 def test_padding_stays_zero():
     *_, state, _, exp, _ = run_case("devices6", "wus", "lamb")
     layouts = jax.tree.leaves(exp.plan.layouts, is_leaf=lambda x: hasattr(x, "stored_shape"))
@@ -204,6 +230,7 @@ def test_padding_stays_zero():
     assert padded >= 3  # 6 shards: several tensors need padding
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 def test_bf16_compute_gradients_match_reference():
     config = tiny("wus", "sgd", dtype="bfloat16")
     config.optimizer.update(clip_norm=0.0, warmup_steps=0, learning_rate=1.0)
@@ -216,6 +243,7 @@ def test_bf16_compute_gradients_match_reference():
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 def test_layernorm_reaches_model_exactly_and_kernels_travel_in_bf16():
     config = transformer_1024.get_config("tiny,synthetic")
     config.optimizer.min_shard_bytes = 0
@@ -326,6 +354,7 @@ def test_six_shards_pad_ten_rows_to_twelve():
     assert math.isclose(lay.padding, 0.2)
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 @pytest.mark.parametrize("mode", ["none", "wus", "fsdp"])
 def test_bf16_master_weights_train_in_every_mode(mode):
     config = tiny(mode, "adam", dtype="bfloat16")
@@ -339,6 +368,7 @@ def test_bf16_master_weights_train_in_every_mode(mode):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # 10-40 s of compiles, cold
 def test_remat_recomputes_the_same_step():
     # The memory it saves is asserted on the TPU compiler (tests/test_aot.py):
     # XLA:CPU's buffer assignment keeps the same temporaries either way.

@@ -57,6 +57,7 @@ def run(data_dir, tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # two more training runs: ~30 s, cold (per_layer against wus stays)
 @pytest.mark.parametrize("mode", ["none", "fsdp"])
 def test_every_update_mode_trains_the_numbers_of_the_others(run, data_dir, tmp_path, mode):
     # The run's wus losses, in float32 (bf16 rounds the gathered weights alike in every

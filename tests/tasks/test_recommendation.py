@@ -9,6 +9,7 @@ from configs import ncf_16
 from trainer.training import train as train_lib
 
 
+@pytest.mark.slow  # a training run of ~25 s, cold
 @pytest.mark.parametrize("mode", ["wus"])
 def test_tiny_ncf_learns_to_rank(tmp_path, mode):
     config = ncf_16.get_config("tiny")

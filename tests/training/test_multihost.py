@@ -94,6 +94,59 @@ def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
     assert position(workdir, 24) == position(one_process_run, 24) == {"global_batch": 24}
 
 
+def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
+    # The decoder on its own text (tokenized per process, rows in one global order),
+    # with per-layer gathering: 2 processes x 4 devices against 1 x 8.
+    flags = [
+        "--config=configs/llama.py:text",
+        f"--config.data.data_dir={tmp_path / 'data'}",
+        "--config.num_train_steps=20",
+        "--config.steps_per_loop=10",
+        "--config.log_every_steps=10",
+        "--config.eval_every_steps=20",
+        "--config.eval_at_start=false",
+        "--config.checkpoint_every_steps=20",
+        "--config.data.num_eval_rows=16",
+        "--config.optimizer.update_sharding=per_layer",
+    ]
+    one = run_command(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--cpu_devices=8",
+            f"--workdir={tmp_path / 'one'}",
+            *flags,
+        ],
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    two = run_command(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--num_processes=2",
+            "--cpu_devices=8",
+            "--",
+            f"--workdir={tmp_path / 'two'}",
+            *flags,
+        ],
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    runs = {n: losses(tmp_path / name) for n, name in ((1, "one"), (2, "two"))}
+    assert sorted(runs[1]) == sorted(runs[2]) == [10, 20]
+    for step in (10, 20):
+        assert runs[2][step] == pytest.approx(runs[1][step], rel=1e-4), step
+    assert runs[1][20] < runs[1][10]
+    evals = {}
+    for n, name in ((1, "one"), (2, "two")):
+        with open(tmp_path / name / "summary.json") as f:
+            evals[n] = json.load(f)["final_eval"]
+    assert evals[2]["eval/perplexity"] == pytest.approx(evals[1]["eval/perplexity"], rel=1e-4)
+
+
 def test_two_slices_train_as_one_and_checkpoints_cross_between_them(
     one_process_run, data_dir, tmp_path
 ):

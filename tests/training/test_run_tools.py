@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, command_env, run_command, tiny_translation
+from conftest import REPO, command_env, run_command, tiny_command, tiny_translation
 from etils import epath
 
 from configs import transformer_1024
@@ -88,6 +88,7 @@ def test_run_config_round_trips():
         assert isinstance(again.mesh.rules, tuple) and again.mesh.rules[2] == ("embed", None)
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_evaluate_a_checkpoint_on_another_mesh(run):
     result = cli(
         "trainer.evaluate",
@@ -118,6 +119,7 @@ def test_evaluate_a_checkpoint_on_another_mesh(run):
     assert point.step == 20 and point.value == pytest.approx(row["eval/bleu"])
 
 
+@pytest.mark.slow  # commands run end to end: 13-25 s
 def test_evaluation_does_not_depend_on_the_device_count(run, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(run, workdir)
@@ -131,6 +133,7 @@ def test_evaluation_does_not_depend_on_the_device_count(run, tmp_path):
             assert row[key] == pytest.approx(logged[key], rel=1e-5), key
 
 
+@pytest.mark.slow  # commands run end to end: 13-25 s
 def test_evaluate_errors_are_one_line(run):
     for args, message in [
         (["--step", "7"], "no checkpoint of step 7"),
@@ -152,6 +155,7 @@ def _restored_params(workdir, config):
     return model.task.model, jax.device_get(params["params"])
 
 
+@pytest.mark.slow  # commands run end to end: 13-25 s
 def test_translate_with_beam_search(run, data_dir):
     config = tiny(data_dir)
     vocab = data_lib.load_vocab(config.data)
@@ -192,6 +196,7 @@ def test_translate_with_beam_search(run, data_dir):
     assert out[25]  # the cut source still translates
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_translate_bad_input_costs_its_own_line(run):
     lines = [
         b"every ship holds your dark chair",
@@ -223,6 +228,7 @@ def test_translate_bad_input_costs_its_own_line(run):
     assert "1 sources cut at 48 tokens" in stderr
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_evaluate_prints_what_it_cannot_record(run, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(run, workdir)
@@ -239,38 +245,41 @@ def test_evaluate_prints_what_it_cannot_record(run, tmp_path):
     )
 
 
-def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, tmp_path, capsys):
+@pytest.mark.slow  # commands run end to end: 13-25 s
+def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, tmp_path):
     export_lib.export(run, str(tmp_path / "params"), dtype="bfloat16")
     exported = ocp.StandardCheckpointer().restore(str(tmp_path / "params"))
-    # Learning rate 0: the state after the steps holds the initial params.
-    config = tiny(
-        data_dir,
-        **{
-            "init_from": str(tmp_path / "params"),
-            "init_from_skip": ("decoder_layers_1/mlp/wo/*",),
-            "mesh.num_devices": 4,
-            "optimizer.update_sharding": "fsdp",
-            "global_batch_size": 16,
-            "optimizer.learning_rate": 0.0,
-            "num_train_steps": 10,
-            "steps_per_loop": 5,
-            "log_every_steps": 5,
-            "eval_every_steps": 0,
-            "checkpoint_every_steps": 0,
-            "profile_steps": (5, 5),
-        },
-    )
+    # Learning rate 0: the state after the steps holds the initial params. The run is
+    # a command of its own, as a user's is (and so no profiler starts in a test worker
+    # that has loaded torch for the Hugging Face tests: stopping a trace there crashed).
+    overrides = {
+        "init_from": str(tmp_path / "params"),
+        "init_from_skip": '("decoder_layers_1/mlp/wo/*",)',
+        "mesh.num_devices": 4,
+        "optimizer.update_sharding": "fsdp",
+        "global_batch_size": 16,
+        "optimizer.learning_rate": 0.0,
+        "num_train_steps": 10,
+        "steps_per_loop": 5,
+        "log_every_steps": 5,
+        "eval_every_steps": 0,
+        "checkpoint_every_steps": 0,
+        "profile_steps": "5,5",
+        "model.scan_layers": False,
+    }
     workdir = tmp_path / "finetune"
-    state = train_lib.train(config, str(workdir))
-    out = capsys.readouterr().err
+    result = run_command(tiny_command(str(workdir), data_dir, **overrides), timeout=600)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
     assert "init_from: 63 of 65 parameters" in out
     assert (
         "from their initialisers: decoder_layers_1/mlp/wo/bias, decoder_layers_1/mlp/wo/kernel"
         in out
     )
-    exp = experiment.build(config)
+    export_lib.export(str(workdir), str(tmp_path / "after"))
+    got = ocp.StandardCheckpointer().restore(str(tmp_path / "after"))
+    exp = experiment.build(tiny(data_dir, **{"mesh.num_devices": 4}))
     with jax.set_mesh(exp.mesh):
-        got = jax.device_get(jax.jit(exp.plan.to_logical)(state.params))
         fresh = jax.device_get(jax.jit(exp.plan.to_logical)(exp.init().params))
     for name in (
         "encoder_layers_0/attention/query",
@@ -296,6 +305,7 @@ def _get(tree, name):
     return tree
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_init_from_lists_every_mismatch(run, data_dir, tmp_path):
     config = tiny(
         data_dir, **{"init_from": run, "model.num_decoder_layers": 3, "model.mlp_dim": 128}
@@ -316,6 +326,7 @@ def test_profile_steps_must_fit_the_loops(data_dir, tmp_path):
         train_lib.train(tiny(data_dir, profile_steps=(10, 5)), str(tmp_path))
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_norms_on_the_console_and_in_the_metrics(run):
     rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
     for row in rows:
@@ -352,12 +363,16 @@ def test_device_memory_where_reported():
     }
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_plot_runs_and_bench(run, tmp_path):
     import matplotlib.image
 
     out = tmp_path / "runs.png"
     result = cli("trainer.plot", run, run, "--out", str(out), "--names", "a,b")
-    metrics = "loss, eval/accuracy, eval/bleu, eval/chrf, eval/exact_match, eval/loss, eval/nll"
+    metrics = (
+        "loss, eval/accuracy, eval/bleu, eval/chrf, eval/exact_match, eval/loss, eval/nll, "
+        "eval/perplexity"
+    )
     assert f"{metrics} of 2 run(s)" in result.stderr
     image = matplotlib.image.imread(str(out))
     assert image.shape[0] > 300 and image.shape[1] > 600
@@ -403,6 +418,7 @@ def _wandb_records(path):
     return records
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_wandb_offline_resumes_the_same_run(run):
     # The shared run logged to W&B offline, stopped at 20 and was resumed to 40.
     workdir = epath.Path(run)
@@ -425,6 +441,7 @@ def test_wandb_offline_resumes_the_same_run(run):
     assert logged == want and sorted(want) == [10, 20, 30, 40]
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_summary_of_the_resumed_run(run):
     summary = json.loads((epath.Path(run) / "summary.json").read_text())
     rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
@@ -453,6 +470,7 @@ def test_summary_of_the_resumed_run(run):
     assert not any("mfu" in row for row in rows)  # a CPU has no known peak: no MFU
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_tensorboard_reads_train_and_eval_scalars_and_the_config(run):
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -492,6 +510,7 @@ def test_translate_input_lines_end_at_newlines_only():
         assert len(decoding.read_lines(data)[0]) == expected
 
 
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
 def test_export_and_init_from_convert_between_layer_stacks_and_layers(run, data_dir, tmp_path):
     from trainer.training import init_from
 
@@ -533,6 +552,7 @@ def _log_probs_reference(model, params, vocab, source, target) -> float:
     return float(sum(log_p[i, t] for i, t in enumerate(targets[0])))
 
 
+@pytest.mark.slow  # ~12 s; docs/python_api.md's example stays in the default suite
 def test_the_python_api_translates_and_scores_from_a_run_and_an_export(run, data_dir, tmp_path):
     from trainer import Translator
 
@@ -585,9 +605,10 @@ def test_the_python_api_translates_and_scores_from_a_run_and_an_export(run, data
         Translator.load(str(out), step=40)
 
 
-def test_the_readme_python_example_runs_as_written(run):
-    # The README's block under its "tested" marker, run as a user pastes it, on this run.
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+@pytest.mark.slow  # on the module's 40-step run (~50 s to make, cold)
+def test_the_docs_python_example_runs_as_written(run):
+    # docs/python_api.md's block under its "tested" marker, run as a user pastes it.
+    with open(os.path.join(REPO, "docs", "python_api.md"), encoding="utf-8") as f:
         after = f.read().split("<!-- tested: tests/training/test_run_tools.py -->", 1)[1]
     block = []
     for line in after.lstrip("\n").splitlines():

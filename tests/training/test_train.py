@@ -27,6 +27,7 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # a training run of 15-40 s
 def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
     config = tiny(
         data_dir, num_train_steps=120, steps_per_loop=20, log_every_steps=20, eval_every_steps=120
@@ -55,6 +56,7 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
 
 
+@pytest.mark.slow  # training runs of 25-45 s, cold
 def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
     states, losses = [], []
     for k in (1, 4):
@@ -77,12 +79,26 @@ def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
     [
         ({"nonexistent_key": 1}, "unknown config key 'nonexistent_key'"),
         ({"optimizer.bogus": 1}, "unknown config key 'optimizer.bogus'"),
-        ({"global_batch_size": "abc"}, "--config.global_batch_size=abc"),
+        pytest.param(
+            {"global_batch_size": "abc"}, "--config.global_batch_size=abc", marks=pytest.mark.slow
+        ),
         ({"global_batch_size": 12}, "global_batch_size=12 is not divisible by the 8"),
-        ({"mesh.axes.model": 3}, "8 devices are not divisible by the product 3"),
-        ({"data.name": "wmt14_translate/de-en"}, "tfds build wmt14_translate/de-en"),
+        pytest.param(
+            {"mesh.axes.model": 3},
+            "8 devices are not divisible by the product 3",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"data.name": "wmt14_translate/de-en"},
+            "tfds build wmt14_translate/de-en",
+            marks=pytest.mark.slow,
+        ),
         ({"log_every_steps": 7}, "log_every_steps=7 must be a multiple of steps_per_loop"),
-        ({"optimizer.learning_rate": "1e30", "num_train_steps": 40}, "loss is nan at step"),
+        pytest.param(
+            {"optimizer.learning_rate": "1e30", "num_train_steps": 40},
+            "loss is nan at step",
+            marks=pytest.mark.slow,  # 40 steps: ~16 s
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
@@ -94,6 +110,7 @@ def test_bad_input_is_one_line_error(data_dir, tmp_path, overrides, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a training run of 15-40 s
 def test_loss_growth_is_said_once(data_dir, tmp_path, capsys):
     # A learning rate that diverges to large but finite losses within the first loop.
     config = tiny(
@@ -129,6 +146,7 @@ def test_loss_growth_watch_window_and_padding():
     assert metrics_lib.LossGrowthWatch(0).observe(0, np.array([1.0, 1e9]), np.ones(2)) is None
 
 
+@pytest.mark.slow  # training runs of 25-45 s, cold
 def test_rows_carry_time_and_window_and_a_resume_row_names_its_window(data_dir, tmp_path, capsys):
     flags = dict(steps_per_loop=2, log_every_steps=4, checkpoint_every_steps=2, eval_every_steps=0)
     train_lib.train(tiny(data_dir, num_train_steps=6, **flags), str(tmp_path))

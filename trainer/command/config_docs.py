@@ -22,6 +22,8 @@ from trainer.workdir import run_config
 
 # The function of configs/common.py whose returned keywords are the ``data`` section's.
 _DATA_SECTION = "data_config"
+# Config files' functions named ``<section>_section`` build that section.
+_SECTION = "_section"
 
 
 def key_docs(path: str) -> dict[str, str]:
@@ -129,6 +131,13 @@ def _file_docs(file: str) -> dict[str, str]:
             for ret in ast.walk(node):
                 if isinstance(ret, ast.Return) and ret.value is not None:
                     keywords(ret.value, "data", ret.lineno)
+        if isinstance(node, ast.FunctionDef) and node.name.endswith(_SECTION):
+            # ``def model_section(): model = ConfigDict(dict(...))``: the keywords of a
+            # section built by a function of its name are that section's keys.
+            section = node.name.removesuffix(_SECTION)
+            for assign in ast.walk(node):
+                if isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call):
+                    keywords(assign.value, section, assign.lineno)
         if not isinstance(node, ast.Assign):
             continue
         for target in node.targets:

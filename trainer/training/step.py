@@ -31,6 +31,7 @@ gradients come out reduced, as under ``fsdp``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -112,42 +113,24 @@ def make_step_fns(
     replica_grads = over_replicas(jax.value_and_grad(replica_loss, has_aux=True))
     replica_losses = over_replicas(replica_loss)
 
-    def split(x):
-        # [batch, ...] -> [micro, replicas, rows, ...]. The batch dim is split over
-        # the data axes in replica order, so the reshape is local; each replica's
-        # rows are then cut into ``micro`` consecutive pieces.
-        x = x.reshape(replicas, micro, -1, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
+    def accumulated(grad_of, acc, model_state, rows, rngs):
+        # Each micro-batch's gradients (``grad_of(model_state, rows, rngs)``) summed
+        # into ``acc``, the model state carried from one to the next.
+        def one(carry, xs):
+            acc, model_state = carry
+            (_, (sums, new_model_state)), grads = grad_of(model_state, *xs)
+            return (_add(acc, grads), _averaged(new_model_state)), sums
 
-    def f32(tree):
-        return jax.tree.map(
-            lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree
-        )
-
-    def add(acc, grads):
-        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-
-    def over_micro_batches(one, carry, xs):
-        # One micro-batch needs no loop (nor a loop-carried accumulator: 0 + g folds).
-        if micro == 1:
-            carry, out = one(carry, jax.tree.map(lambda x: x[0], xs))
-            return carry, jax.tree.map(lambda x: x[None], out)
-        return jax.lax.scan(one, carry, xs)
-
-    def averaged(model_state):
-        # Replicas agree on synchronised statistics; the mean also covers per-replica ones.
-        return jax.tree.map(lambda x: x.mean(0).astype(x.dtype), model_state)
+        return _over_micro_batches(one, (acc, model_state), (rows, rngs), micro)
 
     def grads_gather_once(state, rows, rngs, weight):
         weights = plan.gather(state.params)  # [replicas, *logical], once per step
 
-        def one(carry, xs):
-            acc, model_state = carry
-            (_, (sums, new_model_state)), grads = replica_grads(weights, model_state, *xs, weight)
-            return (add(acc, grads), averaged(new_model_state)), sums
+        def grad_of(model_state, rows, rngs):
+            return replica_grads(weights, model_state, rows, rngs, weight)
 
-        (acc, model_state), sums = over_micro_batches(
-            one, (f32(weights), state.model_state), (rows, rngs)
+        (acc, model_state), sums = accumulated(
+            grad_of, _f32_zeros(weights), state.model_state, rows, rngs
         )
         return plan.reduce(acc), model_state, sums
 
@@ -159,15 +142,9 @@ def make_step_fns(
         # The backward pass gathers the weights again; the gather's VJP then
         # reduce-scatters the gradients.
         remat = jax.checkpoint(loss_of_stored, policy=_KEEP_ACTIVATIONS)
-        grad_fn = jax.value_and_grad(remat, has_aux=True)
-
-        def one(carry, xs):
-            acc, model_state = carry
-            (_, (sums, new_model_state)), grads = grad_fn(state.params, model_state, *xs)
-            return (add(acc, grads), averaged(new_model_state)), sums
-
-        (acc, model_state), sums = over_micro_batches(
-            one, (f32(state.params), state.model_state), (rows, rngs)
+        grad_fn = functools.partial(jax.value_and_grad(remat, has_aux=True), state.params)
+        (acc, model_state), sums = accumulated(
+            grad_fn, _f32_zeros(state.params), state.model_state, rows, rngs
         )
         return acc, model_state, sums
 
@@ -178,19 +155,17 @@ def make_step_fns(
         loss_of_stored = layer_gather.losses(plan, replica_loss, plan.stacks)
         grad_fn = jax.value_and_grad(loss_of_stored, has_aux=True)
 
-        def one(carry, xs):
-            acc, model_state = carry
-            (_, (sums, new_model_state)), grads = grad_fn(state.params, model_state, *xs, weight)
-            return (add(acc, grads), averaged(new_model_state)), sums
+        def grad_of(model_state, rows, rngs):
+            return grad_fn(state.params, model_state, rows, rngs, weight)
 
-        (acc, model_state), sums = over_micro_batches(
-            one, (f32(state.params), state.model_state), (rows, rngs)
+        (acc, model_state), sums = accumulated(
+            grad_of, _f32_zeros(state.params), state.model_state, rows, rngs
         )
         return acc, model_state, sums
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         weight = task.weight_fn(batch)  # of the whole step's batch: the mean over all of it
-        rows = jax.tree.map(split, batch)
+        rows = jax.tree.map(functools.partial(_split, replicas=replicas, micro=micro), batch)
         rng = jax.random.fold_in(state.rng, state.step)
         rngs = jax.random.split(rng, micro * replicas).reshape(micro, replicas, -1)
         if plan.per_layer:
@@ -218,6 +193,35 @@ def make_step_fns(
         return jax.lax.scan(train_step, state, batches)
 
     return StepFns(train_step, train_loop)
+
+
+def _split(x, replicas: int, micro: int):
+    # [batch, ...] -> [micro, replicas, rows, ...]. The batch dim is split over the
+    # data axes in replica order, so the reshape is local; each replica's rows are
+    # then cut into ``micro`` consecutive pieces.
+    x = x.reshape(replicas, micro, -1, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+
+def _f32_zeros(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+
+def _add(acc, grads):
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+
+def _averaged(model_state):
+    # Replicas agree on synchronised statistics; the mean also covers per-replica ones.
+    return jax.tree.map(lambda x: x.mean(0).astype(x.dtype), model_state)
+
+
+def _over_micro_batches(one, carry, xs, micro: int):
+    # One micro-batch needs no loop (nor a loop-carried accumulator: 0 + g folds).
+    if micro == 1:
+        carry, out = one(carry, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda x: x[None], out)
+    return jax.lax.scan(one, carry, xs)
 
 
 def make_eval_step(task: Task, rules: rules_lib.Rules):
