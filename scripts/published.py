@@ -84,9 +84,16 @@ def compile_point(
         with open(log, "w") as f:
             result = subprocess.run(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         if result.returncode:
-            raise SystemExit(f"error: {name} did not compile; see {log}")
+            return {"error": _last_error(log)}
     with open(path) as f:
         return json.load(f)
+
+
+def _last_error(log: str) -> str:
+    """The compiler's last word in ``log``: the line of the exception that ended it."""
+    with open(log, errors="replace") as f:
+        lines = [line.strip() for line in f if "Error: " in line or line.startswith("error:")]
+    return " ".join(lines[-1].split())[:300] if lines else f"see {log}"
 
 
 def _gib(x: float) -> str:
@@ -103,12 +110,15 @@ def table(results: dict) -> str:
         if name == "paper":
             continue
         variant, topology, slices = POINTS[name]
+        measured = maxtext.measured_mfu(variant, slices)
+        if "error" in r:
+            rows.append(f"| {name} | {measured:.2%} | {MODE}: did not compile: {r['error']} |")
+            continue
         chosen = r[MODE]
         est = chosen["est_step_time_s"]
         flops = maxtext_flops(variant, slices)
         peak = PEAK[topology.split(":")[0]]
         mfu = {k: flops / (est[k] * peak) for k in ("overlap", "no_overlap")}
-        measured = maxtext.measured_mfu(variant, slices)
         rows.append(
             f"| {name} | {measured:.2%} | {chosen['mode']} | "
             f"{_gib(chosen['hbm_bytes_per_core'])} ({_gib(chosen['hbm_capacity_bytes'])}) | "
@@ -149,7 +159,7 @@ def main() -> None:
             results[name] = compile_point(
                 args.out, name, config, topology, slices, MODE, args.force
             )
-        print(f"{name}: compiled", flush=True)
+        print(f"{name}: {'failed' if 'error' in results[name] else 'compiled'}", flush=True)
     print(table(results))
 
 

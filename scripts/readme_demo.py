@@ -1,6 +1,6 @@
-"""Runs the README's demo and the tutorial of docs/running.md, then rewrites what
-docs/running.md shows of them from those very runs: the demo's console transcript
-and ``docs/tiny_run.png``.
+"""Runs the README's demo and the tutorial of docs/running.md, then rewrites what the
+README and that page show of them from those very runs: the demo's console
+transcript (in the README) and ``docs/tiny_run.png``.
 
     python scripts/readme_demo.py [--check]
 
@@ -10,7 +10,7 @@ uses them). The embedded ``tiny_translation`` data and its vocabulary are remove
 from TFDS's default directory first too (the run generates them again in seconds),
 so the transcript is a first run's, as a new user sees it. Each command's wall time
 is printed. The transcript replaces the block
-between docs/running.md's ``readme_demo.py: transcript`` markers, and the picture is the
+between the README's ``readme_demo.py: transcript`` markers, and the picture is the
 tutorial's own ``trainer.plot`` output, copied to ``docs/tiny_run.png``. ``--check``
 changes nothing and exits 1 if that transcript has other metrics than this
 run's (loss and eval figures, line by line; times and speeds are the machine's).
@@ -27,7 +27,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGE = os.path.join(REPO, "docs", "running.md")
+README = os.path.join(REPO, "README.md")
 PICTURE = os.path.join(REPO, "docs", "tiny_run.png")
 BEGIN = "<!-- readme_demo.py: transcript -->"
 END = "<!-- readme_demo.py: end -->"
@@ -82,7 +82,7 @@ def run(command: str, *, capture: bool = False) -> str:
 
 
 def transcript_block(text: str) -> str:
-    """The console as docs/running.md shows it: indented four spaces, as a code block."""
+    """The console as the README shows it: indented four spaces, as a code block."""
     return "".join(f"    {line}\n" if line else "\n" for line in text.rstrip("\n").split("\n"))
 
 
@@ -97,10 +97,10 @@ def main() -> int:
     )
     parser.add_argument("--check", action="store_true", help="compare only; change nothing")
     args = parser.parse_args()
-    with open(PAGE, encoding="utf-8") as f:
+    with open(README, encoding="utf-8") as f:
         readme = f.read()
     if BEGIN not in readme or END not in readme:
-        sys.exit(f"no {BEGIN} ... {END} block in {PAGE}")
+        sys.exit(f"no {BEGIN} ... {END} block in {README}")
     for directory in DIRS:
         shutil.rmtree(directory, ignore_errors=True)
     tfds_dir = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
@@ -118,19 +118,19 @@ def main() -> int:
         run(command)
     print(f"all commands: {time.perf_counter() - start:.0f}s", flush=True)
 
-    with open(PAGE, encoding="utf-8") as f:  # again: it may have been edited meanwhile
+    with open(README, encoding="utf-8") as f:  # again: it may have been edited meanwhile
         readme = f.read()
     head, rest = readme.split(BEGIN, 1)
     old, tail = rest.split(END, 1)
     new = "\n\n" + transcript_block(demo) + "\n"
     if args.check:
         same = metrics_only(old) == metrics_only(new)
-        print("the page's transcript matches this run" if same else "the page differs")
+        print("the README's transcript matches this run" if same else "the README differs")
         return 0 if same else 1
-    with open(PAGE, "w", encoding="utf-8") as f:
+    with open(README, "w", encoding="utf-8") as f:
         f.write(head + BEGIN + new + END + tail)
     shutil.copyfile("/tmp/demo/run.png", PICTURE)
-    print(f"rewrote the transcript in {PAGE} and {PICTURE}")
+    print(f"rewrote the transcript in {README} and {PICTURE}")
     return 0
 
 
