@@ -60,7 +60,7 @@ def test_per_device_figures_come_from_the_devices():
     assert hardware.devices_per_chip(_devices(4, 4, 1, "TPU v4")) == 1
     assert v4.peak_flops(1) == 275e12
     assert hardware.devices_per_chip(_devices(4, 4, 2, "TPU v4")) == 2
-    assert hardware.ACCELERATORS["v5e"].hbm_bytes(1) == 16e9
+    assert hardware.ACCELERATORS["v5e"].hbm_bytes(1) == 16 * 2**30  # as libtpu sizes it
     assert (
         hardware.devices_per_chip([types.SimpleNamespace(platform="gpu", device_kind="H100")]) == 1
     )

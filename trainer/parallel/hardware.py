@@ -122,8 +122,10 @@ _TABLE = (
         "v4", 32 * GIB, 1200 * GB, 275e12, 6, 1.1e15 / 4096 / 6, "TPUv4", _DCN_ASSUMED, True
     ),
     # TPU v5e: 197 TFLOPS, 16 GB, 819 GB/s, 400 GB/s bidirectional ICI per chip over
-    # 4 ports, 2-D torus, 256-chip pod (16 x 16) [TPUv5e].
-    Accelerator("v5e", 16 * GB, 819 * GB, 197e12, 4, 400 * GB / 8, "TPUv5e", (25e9 / 8,) * 2),
+    # 4 ports, 2-D torus, 256-chip pod (16 x 16) [TPUv5e]. The "16 GB" are 16 GiB: the
+    # TPU compiler (libtpu 0.0.42.1) refuses a v5e:16x16 buffer as one that "would exceed
+    # memory (size=17179869184)", and budgets 15.75 GiB of it for a program.
+    Accelerator("v5e", 16 * GIB, 819 * GB, 197e12, 4, 400 * GB / 8, "TPUv5e", (25e9 / 8,) * 2),
     # TPU v5p: 459 TFLOPS, 95 GiB, 2575 GiB/s, 1200 GB/s bidirectional ICI per chip
     # over 6 links, 3-D torus [TPUv5p].
     Accelerator("v5p", 95 * GIB, 2575 * GIB, 459e12, 6, 1200 * GB / 12, "TPUv5p", (50e9 / 8,) * 2),
