@@ -18,7 +18,8 @@ parallelism 4 on v5p-128.
     python -m trainer.aot --config configs/maxtext.py:v5e-32b --topology v5e:16x16 \\
         --modes per_layer,wus
 
-Variants: ``v5e-16b``, ``v5e-32b``, ``v5e-64b``, ``v5e-128b`` (one v5e-256 slice),
+Variants: ``tiny`` (the architecture, small, learning on CPU), ``v5e-16b``,
+``v5e-32b``, ``v5e-64b``, ``v5e-128b`` (one v5e-256 slice),
 ``v5p-32b``, ``v5p-64b`` (v5p-128: 64 chips), and ``slices=N`` (N slices, data
 parallel over the data-center network, as MaxText's ``dcn_data_parallelism``: the
 global batch is N times one slice's).
@@ -29,6 +30,7 @@ import ml_collections
 from configs import common, llama
 
 VARIANTS = {
+    "tiny": "their model's architecture at 2 layers, d 64, on the embedded tiny_text corpus",
     "v5e-16b": "MaxText's 16B (16.27B parameters) on a v5e-256 slice: 6 rows a chip",
     "v5e-32b": "MaxText's 32B (32.55B) on a v5e-256 slice: 4 rows a chip",
     "v5e-64b": "MaxText's 64B (64.76B) on a v5e-256 slice: 2 rows a chip",
@@ -82,6 +84,8 @@ def measured_mfu(variant: str, slices: int = 1) -> float:
 def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     parts, options = common.variant_options(variant, VARIANTS, ("slices",))
+    if "tiny" in parts:
+        return _tiny()
     runs = [p for p in parts if p in RUNS] or ["v5e-32b"]  # v5e-32b: the default
     if len(runs) != 1:
         raise ValueError(f"name one of {', '.join(RUNS)} (got {variant!r})")
@@ -125,4 +129,18 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     config.log_every_steps = 2
     config.eval_every_steps = 0
     config.checkpoint_every_steps = 0
+    return config
+
+
+def _tiny() -> ml_collections.ConfigDict:
+    """MaxText's model of the time (a parallel block, a ReLU MLP, multi-head attention,
+    a tied table) at the size of configs/llama.py:tiny, learning on its corpus on CPU."""
+    config = llama.get_config("tiny")
+    config.model.update(
+        num_kv_heads=config.model.num_heads,  # multi-head attention
+        mlp_activation="relu",
+        parallel_block=True,
+        tie_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
     return config

@@ -13,6 +13,9 @@ VARIANTS = {
     "resnet50_16": ("", "tiny", "local_jpeg"),
     "resnet50_1024": ("", "tiny"),
     "ncf_16": ("", "tiny", "local_20m"),
+    "maxtext": ("", "tiny", "v5e-16b", "v5p-32b,slices=2"),
+    "llama": ("", "tiny", "text", "llama3-70b,synthetic"),
+    "bert_large": ("", "tiny", "synthetic"),
 }
 
 
