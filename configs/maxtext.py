@@ -85,6 +85,8 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     """Returns the run config; ``variant`` is the text after ``:`` on the CLI."""
     parts, options = common.variant_options(variant, VARIANTS, ("slices",))
     if "tiny" in parts:
+        if len(parts) > 1 or options:
+            raise ValueError(f"tiny takes no other variant (got {variant!r})")
         return _tiny()
     runs = [p for p in parts if p in RUNS] or ["v5e-32b"]  # v5e-32b: the default
     if len(runs) != 1:

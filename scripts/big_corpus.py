@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -94,7 +95,7 @@ def main() -> None:
         f"{size / seconds / 1e6:.1f} MB/s), peak RSS {rss:.2f} GiB"
     )
     workdir = os.path.join(args.dir, "run")
-    subprocess.run(["rm", "-rf", workdir], check=True)
+    shutil.rmtree(workdir, ignore_errors=True)
     train = [
         sys.executable, "-m", "trainer", "--cpu_devices=8", f"--workdir={workdir}", *config,
         f"--config.data.tokenized_dir={store}", f"--config.num_train_steps={args.steps}",

@@ -39,17 +39,15 @@ def data_dir(tmp_path_factory):
     return path
 
 
+def launch_flags(processes, flags, timeout=600):
+    """The trainer with ``flags`` as ``launch.local`` runs it: ``processes`` processes
+    sharing 8 CPU devices."""
+    cmd = [sys.executable, "-m", "launch.local", f"--num_processes={processes}", "--cpu_devices=8"]
+    return run_command([*cmd, "--", *flags], timeout=timeout)
+
+
 def launch(workdir, processes, data_dir, timeout=600, **overrides):
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.local",
-        f"--num_processes={processes}",
-        "--cpu_devices=8",
-        "--",
-        *tiny_flags(workdir, data_dir, **{**RUN, **overrides}),
-    ]
-    return run_command(cmd, timeout=timeout)
+    return launch_flags(processes, tiny_flags(workdir, data_dir, **{**RUN, **overrides}), timeout)
 
 
 def single(workdir, data_dir, timeout=600):
@@ -83,14 +81,18 @@ def two_process_run(tmp_path_factory, data_dir):
     return workdir, result.stdout
 
 
+def assert_same_falling_losses(one, two, steps):
+    """Two runs' logged losses: at the same ``steps``, equal to 1e-4, and falling."""
+    assert sorted(one) == sorted(two) == steps
+    for step in steps:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+    assert one[steps[-1]] < one[steps[0]]
+
+
 def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
     workdir, out = two_process_run
     assert "[p0] step      24/24" in out and "[p1] step" not in out  # only process 0 reports
-    runs = {2: losses(workdir), 1: losses(one_process_run)}
-    assert sorted(runs[1]) == sorted(runs[2]) == [12, 24]
-    for step in (12, 24):
-        assert runs[2][step] == pytest.approx(runs[1][step], rel=1e-4), step
-    assert runs[1][24] < runs[1][12]
+    assert_same_falling_losses(losses(one_process_run), losses(workdir), [12, 24])
     assert position(workdir, 24) == position(one_process_run, 24) == {"global_batch": 24}
 
 
@@ -109,37 +111,12 @@ def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
         "--config.data.num_eval_rows=16",
         "--config.optimizer.update_sharding=per_layer",
     ]
-    one = run_command(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--cpu_devices=8",
-            f"--workdir={tmp_path / 'one'}",
-            *flags,
-        ],
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "trainer", "--cpu_devices=8"]
+    one = run_command([*command, f"--workdir={tmp_path / 'one'}", *flags], timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    two = run_command(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--num_processes=2",
-            "--cpu_devices=8",
-            "--",
-            f"--workdir={tmp_path / 'two'}",
-            *flags,
-        ],
-        timeout=600,
-    )
+    two = launch_flags(2, [f"--workdir={tmp_path / 'two'}", *flags])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    runs = {n: losses(tmp_path / name) for n, name in ((1, "one"), (2, "two"))}
-    assert sorted(runs[1]) == sorted(runs[2]) == [10, 20]
-    for step in (10, 20):
-        assert runs[2][step] == pytest.approx(runs[1][step], rel=1e-4), step
-    assert runs[1][20] < runs[1][10]
+    assert_same_falling_losses(losses(tmp_path / "one"), losses(tmp_path / "two"), [10, 20])
     evals = {}
     for n, name in ((1, "one"), (2, "two")):
         with open(tmp_path / name / "summary.json") as f:

@@ -117,8 +117,8 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     hbm = _hbm(compiled)
     # Donated inputs alias their outputs: count those bytes once.
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
-    cost = step_cost.per_step(compiled, config, devices)
     text = compiled.as_text()
+    cost = step_cost.per_step(compiled, config, devices, text=text)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
     num_slices = math.prod(config.mesh.dcn_axes.values())
@@ -342,11 +342,13 @@ def choose_update_sharding(config, devices: list, log=print):
         # Not compiled where what the mode must hold alone exceeds the HBM (minutes saved).
         if floors[mode][0] <= capacity:
             return True
-        log(f"  {mode:<58} {'':>12} {'DOES NOT FIT':<12} {floors[mode][1]}: not compiled")
+        verdict = "NO STACKS" if math.isinf(floors[mode][0]) else "DOES NOT FIT"
+        log(f"  {mode:<58} {'':>12} {verdict:<12} {floors[mode][1]}: not compiled")
         return False
 
     rows = [trial("none", 0, opt.min_shard_bytes)] if fits_at_all("none") else []
     gathers_whole = [m for m in ("wus", "fsdp") if m in opt.auto.modes and fits_at_all(m)]
+    per_layer = "per_layer" in opt.auto.modes and fits_at_all("per_layer")
     for group in candidate_groups(config, devices):
         for threshold in thresholds:
             fit = False
@@ -356,7 +358,7 @@ def choose_update_sharding(config, devices: list, log=print):
                 rows.append(trial(mode, group, threshold))
                 fit = fit or rows[-1]["fits"]
             # Layer by layer where gathering the stacks whole does not fit.
-            if "per_layer" in opt.auto.modes and floors["per_layer"][0] and not fit:
+            if per_layer and not fit:
                 rows.append(trial("per_layer", group, threshold))
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
@@ -390,8 +392,8 @@ def _hbm_floors(config, devices: list) -> dict[str, tuple[float, str]]:
     """Per mode, bytes a core must hold whatever else the program needs, and why:
     ``none`` its model-parallel share of the float32 weights and their gradient
     (8 bytes a parameter), ``wus`` and ``fsdp`` the weights gathered whole for the
-    forward pass (in ``gather_dtype``). ``per_layer`` gets 1 where the model has layer
-    stacks to gather (else 0: not a candidate)."""
+    forward pass (in ``gather_dtype``), ``per_layer`` nothing more than its sharded
+    state, and no candidate at all for a model without layer stacks."""
     model = experiment.build_model(config, devices=devices, with_data=False)
     model_ways = model.mesh.devices.size // mesh_lib.data_parallel_size(model.mesh)
     share = model.num_params / model_ways
@@ -401,7 +403,7 @@ def _hbm_floors(config, devices: list) -> dict[str, tuple[float, str]]:
         "none": (8 * share, f"float32 weights and gradients alone: {_gib(8 * share):.1f} GiB"),
         "wus": (gathered, f"the weights gathered whole alone: {_gib(gathered):.1f} GiB"),
         "fsdp": (gathered, f"the weights gathered whole alone: {_gib(gathered):.1f} GiB"),
-        "per_layer": (float(stacks), ""),
+        "per_layer": (0.0, "") if stacks else (math.inf, "no layer stack to gather"),
     }
 
 

@@ -68,11 +68,11 @@ def stack_depths(config) -> dict[str, int]:
     return {k: int(v) for k, v in model.items() if k.startswith("num_") and k.endswith("layers")}
 
 
-def _figures(compiled) -> dict[str, float]:
+def _figures(compiled, text: str | None = None) -> dict[str, float]:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     figures = {key: float(cost.get(key, 0.0)) for key in KEYS}
-    text = compiled.as_text()
+    text = compiled.as_text() if text is None else text
     figures["optimal_seconds"] += text.count('custom_call_target="ConcatBitcast"')
     if "flash_mha_bwd" in text:
         forward = [
@@ -96,16 +96,20 @@ def _twin(config, devices, depths: dict[str, int]) -> dict[str, float]:
     return _figures(experiment.compile_lowered(lowered, twin, xla_tpu_no_crash_on_oom=True))
 
 
-def per_step(compiled, config, devices, *, unroll: bool = False) -> StepCost:
+def per_step(
+    compiled, config, devices, *, unroll: bool = False, text: str | None = None
+) -> StepCost:
     """The per-step figures of ``compiled``, the program of ``config`` on ``devices``.
 
     Args:
+      text: ``compiled.as_text()``, where the caller has it (seconds to print for a
+        large program).
       unroll: compile the whole model unrolled instead of extrapolating from depths
         1 and 2 (what the extrapolation is tested against; as slow as the model is deep).
     """
     depths = stack_depths(config)
     if not depths:
-        return StepCost(**_keyed(_figures(compiled)), how="program")
+        return StepCost(**_keyed(_figures(compiled, text)), how="program")
     start = time.perf_counter()
     if unroll:
         figures, how = _twin(config, devices, depths), "unrolled"
