@@ -181,10 +181,12 @@ class Run:
                         self._checkpointer.close()
                 except checkpoint_lib.SaveFailedError as e:
                     save_error = e
-                if not isinstance(exc, checkpoint_lib.CheckpointError) or isinstance(
-                    exc, checkpoint_lib.SaveFailedError
-                ):
-                    self._say(self._ending(exc))
+            self._name_the_stop()
+            if self._checkpointer is not None and (
+                not isinstance(exc, checkpoint_lib.CheckpointError)
+                or isinstance(exc, checkpoint_lib.SaveFailedError)
+            ):
+                self._say(self._ending(exc))
         finally:
             self._close_all()
             # After a clean end the peers are leaving too: their part of the lock goes.
@@ -194,6 +196,14 @@ class Run:
                 raise save_error
             console.warn(str(save_error))
         return False
+
+    def _name_the_stop(self) -> None:
+        """Names a stop this process first heard of from a peer as its own once the
+        same signal has reached it too: a launcher passes a signal on to its processes
+        one after another, and a loop boundary can fall between two of them."""
+        heard, _, _ = (self.stopped_by or "").partition(" to process ")
+        if heard and heard == self.signals.first:
+            self.stopped_by = heard
 
     def _ending(self, exc: BaseException | None, *, listed: bool = True) -> str:
         newest = self._checkpointer.newest(listed=listed) if self._checkpointer else None
