@@ -8,7 +8,8 @@ of twins of it compiled with the layers unrolled, at depth 1 and at depth 2 for 
 stack: one more layer costs what the second one adds, so a stack of L layers costs
 ``c(1) + (L - 1) (c(2) - c(1))``. Compiling an 80-layer model unrolled would take as
 long as 80 layers; the twins take as long as two (``tests/analysis/test_aot.py``
-holds the extrapolation against the full unroll of a small model). What the twins
+holds the extrapolation against the full unroll of a small model); a model with no
+more layers than the twins together is compiled unrolled instead. What the twins
 leave out: a layer's parameters below ``optimizer.min_shard_bytes`` at depth 1 or 2
 may be sharded at depth L, which changes their update's bytes, not the layers'.
 
@@ -105,13 +106,17 @@ def per_step(
       text: ``compiled.as_text()``, where the caller has it (seconds to print for a
         large program).
       unroll: compile the whole model unrolled instead of extrapolating from depths
-        1 and 2 (what the extrapolation is tested against; as slow as the model is deep).
+        1 and 2 (what the extrapolation is tested against; as slow as the model is
+        deep). A model no deeper than the twins together is unrolled anyway: exact,
+        and fewer layers to compile.
     """
     depths = stack_depths(config)
     if not depths:
         return StepCost(**_keyed(_figures(compiled, text)), how="program")
     start = time.perf_counter()
-    if unroll:
+    deeper = sum(depth > 1 for depth in depths.values())
+    twin_layers = len(depths) + deeper * (len(depths) + 1)
+    if unroll or sum(depths.values()) <= twin_layers:
         figures, how = _twin(config, devices, depths), "unrolled"
     else:
         one = dict.fromkeys(depths, 1)
