@@ -83,6 +83,7 @@ def main(argv: list[str]) -> None:
         num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value,
         heartbeat_timeout_s=_HEARTBEAT.value,
+        writes_events=True,
     )
     config = _CONFIG.value
     (source,) = cli.config_files(sys.argv)[-1:]

@@ -31,7 +31,7 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devi
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
     # stdout is the result line's; what it is doing goes to stderr.
-    process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr)
+    process.setup(cpu_devices=_CPU_DEVICES.value, console_stream=sys.stderr, writes_events=True)
     import jax  # noqa: PLC0415  (after setup)
 
     from trainer.training import evaluation  # noqa: PLC0415  (imports JAX, Flax, Orbax)

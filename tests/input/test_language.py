@@ -220,3 +220,14 @@ def test_a_hugging_face_tokenizer_is_used_as_it_is(tmp_path, corpus_files):
         tokenizer_lib.load_text_tokenizer(corpus_files[1].rename(tmp_path / "eval.json"))
     with pytest.raises(ConfigError, match="holds no tokenizer"):
         tokenizer_lib.load_text_tokenizer(tmp_path / "tfds")
+
+
+@pytest.mark.parametrize("key", ["train_files", "eval_files", "tokenized_dir"])
+def test_the_embedded_corpus_refuses_files_named_beside_it(tmp_path, key):
+    config = _config(tmp_path, "", "", **{key: str(tmp_path / "mine.txt")})
+    config.name = "tiny_text"
+    with pytest.raises(ConfigError, match=f"data.{key}=.*is not read: data.name='tiny_text'"):
+        open_pipeline(language.make_language_data, config, 8)
+    with pytest.raises(ConfigError, match=f"data.{key}="):
+        store = str(tmp_path / "store")
+        open_pipeline(lambda c, o: language.write_token_store(c, o, store), config, 8)

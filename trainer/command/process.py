@@ -40,6 +40,7 @@ def setup(
     heartbeat_timeout_s: int = 100,
     console_stream: IO[str] | None = None,
     compiles_for_tpu: bool = False,
+    writes_events: bool = False,
 ) -> None:
     """Sets the process up before the first device or file is touched.
 
@@ -50,7 +51,8 @@ def setup(
       console (:mod:`trainer.console`) says what each phase does, on
       process 0 only.
     * Storage: ``gs://`` through a local emulator if ``STORAGE_EMULATOR_HOST`` says so,
-      and TensorBoard event files in object stores through etils.epath.
+      and TensorBoard event files in object stores through etils.epath (where the
+      command writes them).
     * JAX: ``cpu_devices`` CPU devices if asked; JAX's multi-controller runtime when
       this is one process of several, with the explicit coordinator flags or
       wherever JAX recognises the environment (:mod:`trainer.command.cluster`).
@@ -70,6 +72,9 @@ def setup(
         worker (``TPU_WORKER_HOSTNAMES=localhost``, ``TPU_HOST_BOUNDS=1,1,1``) instead
         of printing five lines about the workers and host bounds it cannot find; the
         programs it compiles are the same byte for byte.
+      writes_events: the command writes TensorBoard events (training, evaluation):
+        their writers are routed through etils.epath, which imports tensorboardX (and
+        with it torch, where installed: 1.5 s) that other commands leave out.
     """
     if cpu_devices < 0:
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
@@ -98,7 +103,8 @@ def setup(
         )
     orbax_output.quiet()
     storage.configure()
-    metrics.route_event_files_through_epath()  # TensorBoard events in object stores too
+    if writes_events:
+        metrics.route_event_files_through_epath()  # TensorBoard events in object stores too
     import jax  # noqa: PLC0415  (a command's --help and flag mistakes need no JAX)
     import tensorflow_datasets as tfds  # noqa: PLC0415  (seconds to import)
 

@@ -373,6 +373,20 @@ def rows_batch(rows: np.ndarray, plan: RowPlan, documents, masking: Masking | No
 # ---------------------------------------------------------------- the pipeline
 
 
+def _on_tiny_text(lm: LanguageOptions, data_dir: str) -> LanguageOptions:
+    """``lm`` reading the embedded corpus (written on first use); files named beside it
+    are refused, not ignored."""
+    for key in ("train_files", "eval_files", "tokenized_dir"):
+        if getattr(lm, key):
+            raise ConfigError(
+                f"data.{key}={getattr(lm, key)!r} is not read: data.name="
+                f"'{tiny_text.DATASET_NAME}' is the embedded corpus (set "
+                f"data.name={text_files.NAME} to read your files)"
+            )
+    train_files, eval_files = tiny_text.prepare(data_dir)
+    return dataclasses.replace(lm, train_files=train_files, eval_files=eval_files)
+
+
 def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
     """This process's training iterator, eval batches and tokenizer.
 
@@ -384,8 +398,7 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
     if opts.name == SYNTHETIC:
         return _synthetic(lm, opts)
     if opts.name == tiny_text.DATASET_NAME:
-        train_files, eval_files = tiny_text.prepare(opts.data_dir)
-        lm = dataclasses.replace(lm, train_files=train_files, eval_files=eval_files)
+        lm = _on_tiny_text(lm, opts.data_dir)
     elif opts.name != text_files.NAME:
         raise ConfigError(
             f"data.name={opts.name!r}: a language model reads '{text_files.NAME}' (your "
@@ -438,7 +451,7 @@ def write_token_store(data_config: Any, opts: DataOptions, out: str) -> dict:
     """
     lm = read_options(data_config)
     if opts.name == tiny_text.DATASET_NAME:
-        lm = dataclasses.replace(lm, train_files=tiny_text.prepare(opts.data_dir)[0])
+        lm = _on_tiny_text(lm, opts.data_dir)
     reading = text_files.Reading(lm.document, lm.text_field, "data.train_files")
     files = corpus.expand(lm.train_files, reading.key)
     if lm.tokenizer:

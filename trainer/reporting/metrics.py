@@ -14,9 +14,6 @@ import sys
 import time
 
 import numpy as np
-from tensorboardX import SummaryWriter, record_writer
-from tensorboardX import summary as tb_summary
-from tensorboardX.proto import event_pb2
 
 from trainer import console
 from trainer.errors import ConfigError, UserError
@@ -28,6 +25,18 @@ _REMOTE_FLUSH_SECS = 10.0
 
 # The run's config as TensorBoard hparams (MetricWriter.log_config).
 HPARAMS_EVENTS = "events.out.tfevents.0.hparams"
+
+
+def _tensorboardx():
+    """The tensorboardX package with the modules used here, imported on first use: it
+    imports torch where that is installed (1.5 s of a command's start on 2 cores, with
+    the Hugging Face extra), which a command that writes no events need not pay."""
+    import tensorboardX  # noqa: PLC0415
+    import tensorboardX.proto.event_pb2  # noqa: PLC0415
+    import tensorboardX.record_writer  # noqa: PLC0415
+    import tensorboardX.summary  # noqa: PLC0415
+
+    return tensorboardX
 
 
 def tensorboard_tag(key: str) -> str:
@@ -76,7 +85,7 @@ class MetricWriter:
         self._jsonl = storage.AppendOnlyFile(
             directory / "metrics.jsonl", min_interval_s=_REMOTE_FLUSH_SECS
         )
-        self._tb = SummaryWriter(logdir=str(directory), flush_secs=30)
+        self._tb = _tensorboardx().SummaryWriter(logdir=str(directory), flush_secs=30)
 
     def attach(self, tracker) -> None:
         """Also logs every :meth:`write` to ``tracker`` (``log(step, scalars)`` and
@@ -94,8 +103,10 @@ class MetricWriter:
         # TensorBoard keeps the first hparams it reads of a run, and reads its event
         # files in name order: the config gets a file of its own that sorts first and
         # that each (re)started run rewrites, so it is always the newest run's.
-        experiment, start, end = tb_summary.hparams(self._hparams, dict.fromkeys(tags, 0.0))
-        out = record_writer.RecordWriter(str(self._directory / HPARAMS_EVENTS))
+        tbx = _tensorboardx()
+        experiment, start, end = tbx.summary.hparams(self._hparams, dict.fromkeys(tags, 0.0))
+        out = tbx.record_writer.RecordWriter(str(self._directory / HPARAMS_EVENTS))
+        event_pb2 = tbx.proto.event_pb2
         now = time.time()
         out.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
         for summary in (experiment, start, end):
@@ -140,6 +151,7 @@ class MetricWriter:
         an earlier, killed run logged after it (a ``SessionLog.START`` event)."""
         if not self.enabled:
             return
+        event_pb2 = _tensorboardx().proto.event_pb2
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         self._tb.file_writer.add_event(
             event_pb2.Event(step=int(step) + 1, wall_time=time.time(), session_log=start)
@@ -200,7 +212,7 @@ class MetricWriter:
 def write_events(directory: str | os.PathLike, step: int, scalars: dict[str, float]) -> None:
     """Writes ``scalars`` at ``step`` as TensorBoard events into ``directory`` (a
     new events file; :func:`tensorboard_tag` names)."""
-    with SummaryWriter(logdir=str(directory)) as events:
+    with _tensorboardx().SummaryWriter(logdir=str(directory)) as events:
         for key, value in scalars.items():
             events.add_scalar(tensorboard_tag(key), float(value), global_step=int(step))
 
@@ -268,7 +280,7 @@ def route_event_files_through_epath() -> None:
     ``az://`` event files as :class:`_EpathEventFiles` (a command's set-up calls it:
     :func:`trainer.command.process.setup`)."""
     for scheme in ("gs", "s3", "az"):
-        record_writer.register_writer_factory(scheme, _EpathEventFiles())
+        _tensorboardx().record_writer.register_writer_factory(scheme, _EpathEventFiles())
 
 
 class Throughput:
