@@ -23,6 +23,12 @@ killed launcher finds its processes still saving: it must wait for them.
 
 Prints one line per run and a summary; exits 1 if any check failed. The logs of
 every run stay under ``--dir``.
+
+    python scripts/soak.py --tests --count 3
+
+runs the suite's deterministic versions instead (the tests marked ``soak``: kills,
+signals, a frozen peer, a full disk, each at a fixed point), ``--count`` rounds in a
+row, and stops at the first round that fails. CI runs one round.
 """
 
 from __future__ import annotations
@@ -173,9 +179,28 @@ def check(workdir: str, way: str, target: str, code: int, out: str, processes: i
     return problems
 
 
+def soak_tests(count: int) -> int:
+    """``pytest -m soak`` ``count`` times; the exit code of the first round that fails."""
+    for round_ in range(1, count + 1):
+        start_s = time.time()
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-m", "soak", "--durations=10"], cwd=REPO
+        )
+        verdict = "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
+        print(f"round {round_}/{count}: {verdict} in {time.time() - start_s:.0f}s", flush=True)
+        if result.returncode:
+            return result.returncode
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=int, required=True, help="runs stopped at random")
+    parser.add_argument(
+        "--count", type=int, required=True, help="runs stopped at random (rounds with --tests)"
+    )
+    parser.add_argument(
+        "--tests", action="store_true", help="run the tests marked soak --count times instead"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default="/tmp/wus-soak", help="work area (emptied first)")
     parser.add_argument(
@@ -189,6 +214,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    if args.tests:
+        return soak_tests(args.count)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     args.data_dir = os.path.join(args.dir, "tfds")

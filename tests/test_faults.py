@@ -100,7 +100,7 @@ def reference(shared, tmp_path_factory):
     return expected
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference, tmp_path):
     workdir = str(tmp_path)
     # kill -9 while compiling: nothing saved.
@@ -155,7 +155,7 @@ def test_kills_and_signals_then_resume_equal_uninterrupted_run(shared, reference
     assert losses(workdir) == reference
 
 
-@pytest.mark.slow  # fault injection on a run end to end
+@pytest.mark.soak  # fault injection on a run end to end
 def test_nonfinite_weights_are_never_saved(shared, tmp_path):
     # A NaN learning rate: the loss of step 1 is finite, the weights after it are not.
     workdir = str(tmp_path)
@@ -176,7 +176,7 @@ def test_nonfinite_weights_are_never_saved(shared, tmp_path):
     assert steps(workdir) == []
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_full_disk_and_broken_checkpoints_then_resume_equal_uninterrupted_run(
     shared, reference, tmp_path
 ):
@@ -299,7 +299,7 @@ def _readers(shared, workdir, out) -> dict[str, tuple[list[str], str | None]]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
-@pytest.mark.slow  # a save held in flight for a minute
+@pytest.mark.soak  # a save held in flight for a minute
 def test_readers_leave_a_save_in_flight_alone(shared, reference, tmp_path):
     """A run frozen (SIGSTOP) inside its second save, with the save's temporary directory
     in place: every command that reads a run works on the newest complete checkpoint and

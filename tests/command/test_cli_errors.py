@@ -529,7 +529,7 @@ def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
     return lines
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
 def test_launcher_killed_mid_loop_or_mid_save_takes_its_processes_along(tmp_path):
     workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")
@@ -563,7 +563,7 @@ def test_launcher_killed_mid_loop_or_mid_save_takes_its_processes_along(tmp_path
     assert not glob.glob(str(checkpoints / "*tmp*"))
 
 
-@pytest.mark.slow  # waits out a previous run's process
+@pytest.mark.soak  # waits out a previous run's process
 def test_new_run_waits_for_the_last_process_of_the_previous_one(tmp_path):
     import fcntl
 
@@ -614,7 +614,7 @@ def test_ctrl_c_twice_while_starting_is_a_clean_exit(tmp_path, delay):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
     workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")

@@ -11,7 +11,8 @@ import time
 import pytest
 from conftest import run_command, start_command, tiny_command, tiny_flags
 
-pytestmark = pytest.mark.slow  # several processes per test: minutes
+# Several processes per test: minutes. The stops (signals, a killed or frozen peer) are
+# soaks: ``scripts/soak.py --tests`` repeats them.
 
 # The input order is global (trainer/input/order.py): process p of n reads block p of
 # every global batch, so the global batches - hence the losses - do not depend on n.
@@ -89,6 +90,7 @@ def assert_same_falling_losses(one, two, steps):
     assert one[steps[-1]] < one[steps[0]]
 
 
+@pytest.mark.slow
 def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
     workdir, out = two_process_run
     assert "[p0] step      24/24" in out and "[p1] step" not in out  # only process 0 reports
@@ -96,6 +98,7 @@ def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
     assert position(workdir, 24) == position(one_process_run, 24) == {"global_batch": 24}
 
 
+@pytest.mark.slow
 def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
     # The decoder on its own text (tokenized per process, rows in one global order),
     # with per-layer gathering: 2 processes x 4 devices against 1 x 8.
@@ -124,6 +127,7 @@ def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
     assert evals[2]["eval/perplexity"] == pytest.approx(evals[1]["eval/perplexity"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_two_slices_train_as_one_and_checkpoints_cross_between_them(
     one_process_run, data_dir, tmp_path
 ):
@@ -156,6 +160,7 @@ def test_two_slices_train_as_one_and_checkpoints_cross_between_them(
         assert losses(workdir)[24] == pytest.approx(losses(source)[24], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(two_process_run[0], workdir)
@@ -169,6 +174,7 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process_run, data_dir
     assert losses(workdir)[24] == pytest.approx(losses(two_process_run[0])[24], rel=1e-4)
 
 
+@pytest.mark.soak
 def test_killed_process_stops_the_job(tmp_path):
     # Synthetic tokens: data_dir is not read.
     overrides = {**RUN, "num_train_steps": 100000, "data.name": "synthetic"}
@@ -285,6 +291,7 @@ def preempt_reference(tmp_path_factory, data_dir):
     return losses(workdir)
 
 
+@pytest.mark.soak
 def test_sigterm_to_the_launcher_or_one_process_saves_and_resumes_exactly(
     preempt_reference, data_dir, tmp_path
 ):
@@ -316,6 +323,7 @@ def test_sigterm_to_the_launcher_or_one_process_saves_and_resumes_exactly(
     assert losses(tmp_path) == preempt_reference
 
 
+@pytest.mark.soak
 def test_sigterm_to_a_lone_process_with_a_coordinator_saves_and_resumes_exactly(data_dir, tmp_path):
     # jax.distributed with one process: the same stop path as a pod's. (Its CPU
     # collectives differ from a plain process's in the last digits: so does the reference.)
@@ -351,6 +359,7 @@ def process_pid(workdir, index: int) -> int:
     return int(pids[0])
 
 
+@pytest.mark.soak
 def test_a_frozen_peer_ends_the_job_in_one_line(data_dir, tmp_path):
     # Process 1 freezes (SIGSTOP): process 0 waits inside a collective, where JAX's
     # coordination service would abort it a minute or two later with a C++ log. The
@@ -384,6 +393,7 @@ def test_a_frozen_peer_ends_the_job_in_one_line(data_dir, tmp_path):
     assert not (tmp_path / "run.lock").exists()
 
 
+@pytest.mark.soak
 def test_ctrl_c_twice_stops_at_once_and_says_so_in_the_summary(data_dir, tmp_path):
     flags = tiny_flags(tmp_path, data_dir, **{**PREEMPT, "num_train_steps": 100000})
     cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--cpu_devices=8"]

@@ -91,7 +91,9 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
         raise ConfigError(f"--topology {name}: {text[:300]}") from e
 
 
-def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = False) -> dict:
+def analyze(
+    config, devices: list, mode: str | None = None, *, keep_hlo: bool = False, twins: bool = True
+) -> dict:
     """Compiles the K-step training loop of ``config`` on ``devices`` and reports it.
 
     Args:
@@ -99,6 +101,10 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
       devices: devices of a TPU topology (or real TPU devices), in any order.
       mode: update-sharding mode to use instead of the config's.
       keep_hlo: also return the optimized HLO text (``"hlo"``; else None).
+      twins: compile the twins that give a layer-scanned model's compute figures
+        (:mod:`trainer.analysis.step_cost`); False takes XLA's figures of the program
+        as compiled, a scan's body counted once (quicker, where only the collectives
+        and HBM matter).
 
     Returns:
       The figures of this run (see the module docstring and the README schema).
@@ -118,7 +124,10 @@ def analyze(config, devices: list, mode: str | None = None, *, keep_hlo: bool = 
     # Donated inputs alias their outputs: count those bytes once.
     total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
     text = compiled.as_text()
-    cost = step_cost.per_step(compiled, config, devices, text=text)
+    if twins:
+        cost = step_cost.per_step(compiled, config, devices, text=text)
+    else:
+        cost = step_cost.as_compiled(compiled, text)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
     num_slices = math.prod(config.mesh.dcn_axes.values())

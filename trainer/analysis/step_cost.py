@@ -97,6 +97,12 @@ def _twin(config, devices, depths: dict[str, int]) -> dict[str, float]:
     return _figures(experiment.compile_lowered(lowered, twin, xla_tpu_no_crash_on_oom=True))
 
 
+def as_compiled(compiled, text: str | None = None) -> StepCost:
+    """XLA's figures of ``compiled`` as they are (a layer scan's body counted once): a
+    step's figures for a model without layer scans."""
+    return StepCost(**_keyed(_figures(compiled, text)), how="program")
+
+
 def per_step(
     compiled, config, devices, *, unroll: bool = False, text: str | None = None
 ) -> StepCost:
@@ -112,7 +118,7 @@ def per_step(
     """
     depths = stack_depths(config)
     if not depths:
-        return StepCost(**_keyed(_figures(compiled, text)), how="program")
+        return as_compiled(compiled, text)
     start = time.perf_counter()
     deeper = sum(depth > 1 for depth in depths.values())
     twin_layers = len(depths) + deeper * (len(depths) + 1)
