@@ -291,7 +291,9 @@ def test_auto_compiles_candidates_on_tpu_and_means_wus_on_cpu(devices):
     assert "no step-time model for cpu devices" in lines[-1]
 
 
-@pytest.mark.parametrize("name", ["configs/ncf_16.py", "configs/resnet50_16.py"])
+@pytest.mark.parametrize(
+    "name", ["configs/ncf_16.py", pytest.param("configs/resnet50_16.py", marks=pytest.mark.slow)]
+)
 def test_tasks_build_without_data(name):
     """The full configs build (shapes only) with no dataset prepared."""
     import importlib.util

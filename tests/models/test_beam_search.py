@@ -134,6 +134,7 @@ def _padded_batch():
     return jnp.array([r + [0] * (8 - len(r)) for r in rows], jnp.int32)
 
 
+@pytest.mark.slow  # 10 s of compiles; the brute-force test covers the search in the default suite
 def test_beam_of_one_without_penalty_is_greedy():
     model, params = _tiny_transformer(64)
     inputs = _padded_batch()

@@ -95,6 +95,7 @@ def test_a_resume_is_bit_exact(run, data_dir, tmp_path):
         assert uninterrupted[-1][key] == resumed[-1][key], key
 
 
+@pytest.mark.slow  # two evaluate processes
 def test_evaluation_does_not_depend_on_the_device_count(run, tmp_path):
     workdir = str(tmp_path / "run")
     shutil.copytree(run, workdir)

@@ -101,10 +101,8 @@ def analyze(
       devices: devices of a TPU topology (or real TPU devices), in any order.
       mode: update-sharding mode to use instead of the config's.
       keep_hlo: also return the optimized HLO text (``"hlo"``; else None).
-      twins: compile the twins that give a layer-scanned model's compute figures
-        (:mod:`trainer.analysis.step_cost`); False takes XLA's figures of the program
-        as compiled, a scan's body counted once (quicker, where only the collectives
-        and HBM matter).
+      twins: as :func:`trainer.analysis.step_cost.per_step` takes it (False: quicker,
+        where only the collectives and HBM matter).
 
     Returns:
       The figures of this run (see the module docstring and the README schema).
@@ -120,14 +118,9 @@ def analyze(
     start = time.perf_counter()
     compiled, oom = _compile(experiment.lower_loop(exp, k), config)
     compile_s = time.perf_counter() - start
-    hbm = _hbm(compiled)
-    # Donated inputs alias their outputs: count those bytes once.
-    total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
+    hbm, total = _hbm(compiled)
     text = compiled.as_text()
-    if twins:
-        cost = step_cost.per_step(compiled, config, devices, text=text)
-    else:
-        cost = step_cost.as_compiled(compiled, text)
+    cost = step_cost.per_step(compiled, config, devices, text=text, twins=twins)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
     num_slices = math.prod(config.mesh.dcn_axes.values())
@@ -233,15 +226,19 @@ def _compile(lowered, config):
         return experiment.compile_lowered(lowered, config, xla_tpu_no_crash_on_oom=True), oom
 
 
-def _hbm(compiled) -> dict[str, int]:
+def _hbm(compiled) -> tuple[dict[str, int], int]:
+    """XLA's memory analysis of ``compiled``, and the bytes a core holds in all."""
     memory = compiled.memory_analysis()
-    return {
+    hbm = {
         "argument": int(memory.argument_size_in_bytes),
         "output": int(memory.output_size_in_bytes),
         "temp": int(memory.temp_size_in_bytes),
         "generated_code": int(memory.generated_code_size_in_bytes),
         "alias": int(memory.alias_size_in_bytes),
     }
+    # Donated inputs alias their outputs: count those bytes once.
+    total = hbm["argument"] + hbm["output"] - hbm["alias"] + hbm["temp"] + hbm["generated_code"]
+    return hbm, total
 
 
 def _times(e: costmodel.StepEstimate) -> dict[str, float]:

@@ -97,14 +97,8 @@ def _twin(config, devices, depths: dict[str, int]) -> dict[str, float]:
     return _figures(experiment.compile_lowered(lowered, twin, xla_tpu_no_crash_on_oom=True))
 
 
-def as_compiled(compiled, text: str | None = None) -> StepCost:
-    """XLA's figures of ``compiled`` as they are (a layer scan's body counted once): a
-    step's figures for a model without layer scans."""
-    return StepCost(**_keyed(_figures(compiled, text)), how="program")
-
-
 def per_step(
-    compiled, config, devices, *, unroll: bool = False, text: str | None = None
+    compiled, config, devices, *, unroll: bool = False, text: str | None = None, twins=True
 ) -> StepCost:
     """The per-step figures of ``compiled``, the program of ``config`` on ``devices``.
 
@@ -115,10 +109,12 @@ def per_step(
         1 and 2 (what the extrapolation is tested against; as slow as the model is
         deep). A model no deeper than the twins together is unrolled anyway: exact,
         and fewer layers to compile.
+      twins: False takes XLA's figures of ``compiled`` as they are, a layer scan's
+        body counted once (``how="program"``, no compile).
     """
     depths = stack_depths(config)
-    if not depths:
-        return as_compiled(compiled, text)
+    if not depths or not twins:
+        return StepCost(**_keyed(_figures(compiled, text)), how="program")
     start = time.perf_counter()
     deeper = sum(depth > 1 for depth in depths.values())
     twin_layers = len(depths) + deeper * (len(depths) + 1)

@@ -78,29 +78,7 @@ def setup(
     """
     if cpu_devices < 0:
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
-    logging.set_verbosity(logging.WARNING)
-    logging.get_absl_logger().addFilter(_tfds_errors_only)
-    # gcsfs logs a traceback for every failed attempt to reach a bucket; the command
-    # says what failed, in one line.
-    std_logging.getLogger("gcsfs").setLevel(std_logging.CRITICAL)
-    # tensorboardX warns "NaN or Inf found in input tensor" for every such scalar it
-    # writes; the run itself says what is not finite, in one line.
-    std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
-    # Read by XLA's and libtpu's C++ logging when they load (below): errors only.
-    # (libtpu's "Failed to find host bounds" on a host without a TPU comes before its
-    # logging starts: commands that use no device never load it, see console below.)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "2")
-    os.environ.setdefault("TPU_MIN_LOG_LEVEL", "2")
-    # grain's workers hand batches over in shared memory. The batches still in flight
-    # when the input stops are unlinked at exit by multiprocessing's resource tracker (a
-    # process it starts later, with this environment), which calls them "leaked" in a
-    # warning: nothing is left behind, so the warning is noise.
-    if "resource_tracker" not in os.environ.get("PYTHONWARNINGS", ""):
-        noise = "ignore:resource_tracker:UserWarning"
-        os.environ["PYTHONWARNINGS"] = ",".join(
-            filter(None, [os.environ.get("PYTHONWARNINGS"), noise])
-        )
+    _quiet_libraries()
     orbax_output.quiet()
     storage.configure()
     if writes_events:
@@ -157,6 +135,33 @@ def setup(
     # backends (and libtpu's start-up lines) in commands that never use a device.
     console.setup(enabled=job is None or job.process_id == 0, stream=console_stream or sys.stdout)
     tfds.disable_progress_bar()
+
+
+def _quiet_libraries() -> None:
+    """Library logs and warnings down to what the console does not say itself."""
+    logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_tfds_errors_only)
+    # gcsfs logs a traceback for every failed attempt to reach a bucket; the command
+    # says what failed, in one line.
+    std_logging.getLogger("gcsfs").setLevel(std_logging.CRITICAL)
+    # tensorboardX warns "NaN or Inf found in input tensor" for every such scalar it
+    # writes; the run itself says what is not finite, in one line.
+    std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
+    # Read by XLA's and libtpu's C++ logging when they load (below): errors only.
+    # (libtpu's "Failed to find host bounds" on a host without a TPU comes before its
+    # logging starts: commands that use no device never load it, see console below.)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "2")
+    os.environ.setdefault("TPU_MIN_LOG_LEVEL", "2")
+    # grain's workers hand batches over in shared memory. The batches still in flight
+    # when the input stops are unlinked at exit by multiprocessing's resource tracker (a
+    # process it starts later, with this environment), which calls them "leaked" in a
+    # warning: nothing is left behind, so the warning is noise.
+    if "resource_tracker" not in os.environ.get("PYTHONWARNINGS", ""):
+        noise = "ignore:resource_tracker:UserWarning"
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, [os.environ.get("PYTHONWARNINGS"), noise])
+        )
 
 
 def _peer_lost(message: str) -> None:
