@@ -98,7 +98,7 @@ def _twin(config, devices, depths: dict[str, int]) -> dict[str, float]:
 
 
 def per_step(
-    compiled, config, devices, *, unroll: bool = False, text: str | None = None, twins=True
+    compiled, config, devices, *, unroll: bool = False, text: str | None = None, twins: bool = True
 ) -> StepCost:
     """The per-step figures of ``compiled``, the program of ``config`` on ``devices``.
 
