@@ -36,7 +36,7 @@ from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as us
 from trainer.parallel import rules as rules_lib
 from trainer.parallel import transform as ut
-from trainer.training import experiment, optimizers
+from trainer.training import experiment, layerwise, optimizers
 from trainer.training import step as step_lib
 
 STEPS = 3
@@ -51,6 +51,12 @@ def callable_mask_adamw(config):
             schedule, weight_decay=0.01, mask=lambda tree: jax.tree.map(lambda p: p.ndim > 1, tree)
         ),
     )
+
+
+def logical_optimizer(config, exp, params):
+    """The config's optimizer on the logical params (its stacks' layers one by one)."""
+    views = layerwise.views(layerwise.logical_layouts(params), exp.plan.stacks)
+    return optimizers.make_optimizer(config.optimizer, views, config.num_train_steps)[0]
 
 
 def logical(exp, tree):
@@ -139,7 +145,7 @@ def reference_case(opt, model="data8"):
     gradients of 8 or 4 replicas sum to the same whole-batch gradient); the scanned
     2+2-layer model has its own."""
     config, custom, before, _, batches, exp, _ = run_case(model, "wus", opt)
-    tx = custom or optimizers.make_optimizer(config.optimizer, before, config.num_train_steps)[0]
+    tx = custom or logical_optimizer(config, exp, before)
     return reference(exp, tx, before, batches)
 
 
@@ -197,7 +203,7 @@ def test_logged_norms_match_plain_optax():
     # (computed on the shards) must be those of the real tensors.
     config, _, before, _, batches, exp, metrics = run_case("devices6", "wus", "lamb")
     assert any(lay.pad for lay in jax.tree.leaves(exp.plan.layouts, is_leaf=us.is_layout))
-    tx = optimizers.make_optimizer(config.optimizer, before, config.num_train_steps)[0]
+    tx = logical_optimizer(config, exp, before)
     norms = []
     reference(exp, tx, before, batches, norms=norms)
     for key in ("grad_norm", "update_norm", "param_norm"):

@@ -145,6 +145,35 @@ def test_the_generator_continues_prompts_as_the_command_does(run):
         model.generate("one prompt")
 
 
+def test_the_batches_a_run_consumed_are_one_command_away(run, tmp_path):
+    command = [sys.executable, "-m", "trainer.data.batches", f"--workdir={run}"]
+    printed = run_command([*command, "--steps=39:40", "--decode"])
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    lines = [json.loads(line) for line in printed.stdout.splitlines()]
+    assert [(r["step"], r["row"]) for r in lines] == [(s, r) for s in (39, 40) for r in range(32)]
+    for r in lines:
+        inputs, targets, segments = (np.array(r[k]) for k in ("inputs", "targets", "segmentation"))
+        weights, positions = np.array(r["weights"]), np.array(r["positions"])
+        assert inputs.shape == targets.shape == (64,)
+        # Each token's target is the next token, weighed only inside its own document,
+        # whose positions count from 0.
+        np.testing.assert_array_equal(inputs[1:], targets[:-1])
+        same = (segments[:-1] == segments[1:]) & (segments[:-1] > 0)
+        np.testing.assert_array_equal(weights[:-1][~same], 0)
+        for segment in set(segments[segments > 0].tolist()):
+            np.testing.assert_array_equal(
+                positions[segments == segment], range((segments == segment).sum())
+            )
+        assert r["text"] and all(isinstance(t, str) for t in r["text"])
+    written = run_command([*command, "--steps=39:40", f"--out={tmp_path / 'b.npz'}"])
+    assert written.returncode == 0, written.stderr[-3000:]
+    arrays = np.load(tmp_path / "b.npz")
+    np.testing.assert_array_equal(arrays["steps"], [39, 40])
+    np.testing.assert_array_equal(arrays["inputs"][1, 5], lines[32 + 5]["inputs"])
+    wrong = run_command([*command, "--steps=0:3"])
+    assert wrong.returncode != 0 and wrong.stderr.strip().splitlines()[-1].startswith("error:")
+
+
 @pytest.mark.slow
 def test_the_tiny_decoder_learns_as_a_user_runs_it(tmp_path):
     command = [sys.executable, "-m", "trainer", "--config=configs/llama.py:tiny"]

@@ -164,6 +164,42 @@ class LeafLayout:
             self, shape=self.shape[1:], spec=self.spec[1:], start=start, stop=stop
         )
 
+    # -- A stack of layers (logical dim 0 = layers) seen a layer at a time in the stored
+    # -- layout: what per-tensor rules (trust ratios) need, with no gather of the tensor.
+
+    def _layer_rows(self) -> int | None:
+        """Rows of stored dim :attr:`dim` per layer where the layers dim is merged or
+        padded into it; None where stored dim 0 is still the layers dim."""
+        if not self.reformatted or self.start >= 1:
+            return None
+        return self._rows // self.shape[0]
+
+    def layer_sums(self, x: jax.Array) -> jax.Array:
+        """Per-layer sums ``[layers]`` of ``x``, this stack in its stored form.
+
+        Where stored dim 0 is the layers dim, a sum over the other dims; where the
+        layout merged it with the dims after it, each stored row lies in one layer
+        (the merge is row-major and a layer holds whole rows, lanes included), so the
+        row sums are summed by layer, padding rows dropped. Under GSPMD every shard sums
+        its own rows and the ``[layers]`` partial sums are all-reduced.
+        """
+        per_layer = self._layer_rows()
+        if per_layer is None:
+            return jnp.sum(x, axis=tuple(range(1, x.ndim)))
+        rows = jnp.sum(x, axis=tuple(i for i in range(x.ndim) if i != self.dim))
+        layer = jnp.arange(rows.shape[0]) // per_layer  # padding rows: layer >= layers
+        return jax.ops.segment_sum(rows, layer, self.shape[0], indices_are_sorted=True)
+
+    def layer_broadcast(self, v: jax.Array, x: jax.Array) -> jax.Array:
+        """``v`` (``[layers]``) laid out to multiply ``x``, this stack in its stored
+        form, elementwise: each element by its layer's value (padding by 0)."""
+        per_layer = self._layer_rows()
+        if per_layer is None:
+            return v.reshape(v.shape + (1,) * (x.ndim - 1))
+        layer = jnp.arange(x.shape[self.dim]) // per_layer
+        per_row = jnp.take(v, layer, mode="fill", fill_value=0)
+        return per_row.reshape(tuple(-1 if i == self.dim else 1 for i in range(x.ndim)))
+
     def to_stored(self, x: jax.Array, batch_dims: int = 0) -> jax.Array:
         """Logical -> stored: merge dims, pad with zeros (after ``batch_dims``).
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -130,9 +131,17 @@ def _miniature(lay: LeafLayout) -> LeafLayout:
 
 
 def check_layout_agnostic(
-    inner: optax.GradientTransformation, plan: UpdateShardingPlan, param_dtypes=None
+    inner: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
+    plan: UpdateShardingPlan,
+    param_dtypes=None,
 ) -> None:
     """Refuses an optimizer whose updates depend on a dim the layout changes.
+
+    ``inner`` is an optax transformation, or ``layouts -> transformation`` for one
+    that is told the form of the tensors it is handed (a tree of
+    :class:`~trainer.parallel.layout.LeafLayout`: per-layer trust ratios,
+    :mod:`trainer.training.layerwise`); it is then built once for the logical form
+    and once for the stored one.
 
     Runs two steps of ``inner`` on deterministic values twice: once with every
     parameter whose stored shape differs from its logical one in its logical
@@ -172,7 +181,15 @@ def check_layout_agnostic(
         wave = 1.0 + 0.5 * jnp.sin(7.0 * base) if k == 0 else 0.1 * jnp.cos(3.0 * k * base + k)
         return wave.astype(dtype)
 
+    def transformation(stored: bool) -> optax.GradientTransformation:
+        if isinstance(inner, optax.GradientTransformation):
+            return inner
+        forms = layouts if stored else [LeafLayout(lay.shape, lay.spec) for lay in layouts]
+        return inner(jax.tree.unflatten(treedef, forms))
+
     def run(stored: bool):
+        tx = transformation(stored)
+
         def tree(k):
             leaves = [
                 jnp.zeros((1,) * len(lay.shape), d) for lay, d in zip(layouts, dtypes, strict=True)
@@ -183,10 +200,10 @@ def check_layout_agnostic(
             return jax.tree.unflatten(treedef, leaves)
 
         params = tree(0)
-        state = inner.init(params)
+        state = tx.init(params)
         outs = []
         for k in (1, 2):
-            updates, state = inner.update(tree(k), state, params)
+            updates, state = tx.update(tree(k), state, params)
             leaves = treedef.flatten_up_to(updates)
             outs.append(
                 [layouts[i].to_logical(leaves[i]) if stored else leaves[i] for i in checked]

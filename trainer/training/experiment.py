@@ -29,7 +29,7 @@ from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel import transform as transform_lib
-from trainer.training import optimizers
+from trainer.training import layerwise, optimizers
 from trainer.training import step as step_lib
 
 
@@ -339,19 +339,9 @@ def build(
     replicated = NamedSharding(mesh, PartitionSpec())
 
     # ------------------------------------------------------ plan, optimizer
-    params = model.abstract_params
     plan = make_plan(model)
-    inner, schedule = optimizers.make_optimizer(opt_cfg, params, config.num_train_steps)
-    # Refuses an optimizer that computes something else on a merged or padded tensor
-    # (two optimizer steps on this host's CPU, once per experiment).
-    transform_lib.check_layout_agnostic(
-        optimizer or inner, plan, jax.tree.map(lambda p: p.dtype, params)
-    )
-    tx = transform_lib.weight_update_sharding(
-        optimizer or inner,
-        plan,
-        state_dtype=_dtype(opt_cfg, "state_dtype") if opt_cfg.state_dtype else None,
-    )
+    tx = _sharded_optimizer(model, plan, optimizer)
+    schedule = optimizers.make_schedule(opt_cfg, config.num_train_steps)
 
     # ------------------------------------------- the train state, abstract
     init_rng, state_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -432,6 +422,32 @@ def build(
         to_logical=to_logical,
         params_to_logical=params_to_logical,
         from_logical=from_logical,
+    )
+
+
+def _sharded_optimizer(
+    model: Model,
+    plan: plan_lib.UpdateShardingPlan,
+    optimizer: optax.GradientTransformation | None,
+) -> optax.GradientTransformation:
+    """The config's optimizer (or ``optimizer``) wrapped for update sharding, once
+    checked to compute on the stored layout what it computes on the logical one."""
+    config, opt_cfg = model.config, model.config.optimizer
+
+    def inner_for(layouts):
+        # The optimizer is told the form it is handed each parameter in: its role and
+        # per-layer norms do not depend on the layout (trainer/training/layerwise.py).
+        views = layerwise.views(layouts, plan.stacks)
+        return optimizers.make_optimizer(opt_cfg, views, config.num_train_steps)[0]
+
+    # Refuses an optimizer that computes something else on a merged or padded tensor
+    # (two optimizer steps on this host's CPU, once per experiment).
+    dtypes = jax.tree.map(lambda p: p.dtype, model.abstract_params)
+    transform_lib.check_layout_agnostic(optimizer or inner_for, plan, dtypes)
+    return transform_lib.weight_update_sharding(
+        optimizer or inner_for(plan.layouts),
+        plan,
+        state_dtype=_dtype(opt_cfg, "state_dtype") if opt_cfg.state_dtype else None,
     )
 
 

@@ -1,19 +1,20 @@
 """The inner optax optimizer and its learning-rate schedule, from the config.
 
 The optimizer built here sees the master weights in the update-sharding plan's
-stored layout (see :mod:`trainer.parallel.plan`). Masks are therefore computed
-here, once, on the *logical* parameters and passed as trees of booleans, which
-keep their meaning in any layout.
+stored layout (see :mod:`trainer.parallel.plan`). What it decays and how it takes a
+per-tensor norm are decided by what each parameter is, in any layout
+(:mod:`trainer.training.layerwise`): masks are trees of booleans, and trust ratios are
+one per layer of a stack.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 from trainer.errors import ConfigError
+from trainer.training import layerwise
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "rsqrt", "cosine", "polynomial")
@@ -49,27 +50,26 @@ def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> op
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-def decay_mask(abstract_params):
-    """True for weights that get weight decay / trust ratios: matrices and
-    embeddings, not biases or norm scales (rank <= 1), judged on logical shapes."""
-    return jax.tree.map(lambda p: len(p.shape) > 1, abstract_params)
-
-
 def make_optimizer(
-    config: ml_collections.ConfigDict, abstract_params, num_train_steps: int
+    config: ml_collections.ConfigDict, param_views, num_train_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Builds the inner optimizer named by ``config.name``.
 
+    Weight decay and LAMB/LARS trust ratios apply to the weights, not to norm scales
+    or biases, and a trust ratio is one per layer of a stack
+    (:mod:`trainer.training.layerwise`).
+
     Args:
       config: the ``optimizer`` section of the run config.
-      abstract_params: logical params (shapes only) for the masks.
+      param_views: a tree of :class:`~trainer.training.layerwise.ParamView`: each
+        parameter's role and layers, in the form the optimizer is handed it
+        (``layerwise.views(plan.layouts, plan.stacks)``).
       num_train_steps: for decaying schedules.
 
     Returns:
       ``(optimizer, schedule)``.
     """
     lr = make_schedule(config, num_train_steps)
-    mask = decay_mask(abstract_params)
     name = config.name
     if name == "sgd":
         tx = optax.sgd(lr)
@@ -77,23 +77,30 @@ def make_optimizer(
         tx = optax.sgd(lr, momentum=config.momentum, nesterov=config.nesterov)
     elif name == "adam":
         tx = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)
-    elif name in ("adamw", "lamb"):
-        # The same arguments: LAMB is AdamW with a per-layer trust ratio.
-        tx = getattr(optax, name)(
+    elif name == "adamw":
+        tx = optax.adamw(
             lr,
             b1=config.b1,
             b2=config.b2,
             eps=config.eps,
             weight_decay=config.weight_decay,
-            mask=mask,
+            mask=layerwise.decay_mask(param_views),
+        )
+    elif name == "lamb":
+        tx = layerwise.lamb(
+            lr,
+            param_views,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
         )
     elif name == "lars":
-        tx = optax.lars(
+        tx = layerwise.lars(
             lr,
+            param_views,
             weight_decay=config.weight_decay,
-            weight_decay_mask=mask,
             trust_coefficient=config.trust_coefficient,
-            trust_ratio_mask=mask,
             momentum=config.momentum,
             nesterov=config.nesterov,
         )
