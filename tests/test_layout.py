@@ -10,7 +10,7 @@ from conftest import REPO
 # The library's packages, lowest floor first: a package imports only from its own
 # floor or below (models/ and configs/ stand apart: they import no trainer module).
 FLOORS = (
-    ("errors", "console", "faults", "hf_config"),
+    ("errors", "console", "faults", "hf_config", "jax_internals"),
     ("workdir",),
     ("parallel", "input", "reporting"),
     ("checkpoint", "tasks", "hf"),
@@ -121,3 +121,24 @@ def test_the_training_function_reads_in_at_most_100_lines():
     tree = _parse(path)
     (node,) = [n for n in _functions(tree) if n.name == "_train"]
     assert node.end_lineno - node.lineno + 1 <= 100
+
+
+def test_jax_internals_are_read_in_one_place():
+    # trainer/jax_internals.py is the one table of what JAX does not promise: private
+    # modules and the parameter keys of jaxprs. Nothing else reads them.
+    offenders = []
+    for top in ("trainer", "models", "configs", "launch", "scripts"):
+        for path, tree in _modules(top):
+            if path == os.path.join("trainer", "jax_internals.py"):
+                continue
+            for node in ast.walk(tree):
+                private = isinstance(node, ast.Constant) and "jax._src" in str(node.value)
+                private |= any(m.startswith("jax._src") for m in _imports(node))
+                params = (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "params"
+                    and "eqn" in ast.unparse(node.value)
+                )
+                if private or params:
+                    offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []

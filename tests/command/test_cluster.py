@@ -17,6 +17,7 @@ from jax._src.clusters import cloud_tpu_cluster
 from jax._src.clusters import cluster as jax_cluster
 
 from launch.local import free_port
+from trainer import jax_internals
 from trainer.command import cluster
 from trainer.errors import ConfigError
 
@@ -45,27 +46,10 @@ def tpu_vm(monkeypatch):
     monkeypatch.delenv("TPU_SKIP_MDS_QUERY", raising=False)
 
 
-@pytest.mark.parametrize("what", list(cluster.JAX_PRIVATE))
-def test_the_private_jax_names_it_reads_are_still_there(what):
-    """The one place a JAX upgrade can break detection without a public API to warn."""
-    value = cluster.jax_private(what)
-    if what == "cluster types":
-        names = {env.__name__ for env in value}
-        assert {"SlurmCluster", "OmpiCluster", "GceTpuCluster", "GkeTpuCluster"} <= names
-        assert all(callable(env.is_env_present) for env in value)
-    elif what == "distributed runtime client":
-        # None until jax.distributed.initialize; then a client with the key-value store.
-        from jax._src.lib import _jax
-
-        assert value is None
-        for method in ("key_value_set", "key_value_dir_get"):
-            assert callable(getattr(_jax.DistributedRuntimeClient, method))
-    else:
-        assert isinstance(value, bool)
-
-
 def test_a_moved_private_name_is_named(monkeypatch):
-    monkeypatch.setitem(cluster.JAX_PRIVATE, "cluster types", ("jax._src.clusters", "Gone.x"))
+    monkeypatch.setitem(
+        jax_internals.PRIVATE, "cluster types", ("jax._src.clusters", "Gone.x")
+    )
     with pytest.raises(RuntimeError, match=r"jax\._src\.clusters\.Gone\.x.*--coordinator_address"):
         cluster.detect()
 

@@ -27,45 +27,15 @@ chips (JAX never restricts them).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 
 import jax
 
+from trainer import jax_internals
 from trainer.errors import ConfigError
 
 # JAX exports no way to ask which environment jax.distributed.initialize() would
-# join: its detectors are private. These are the only private names the project
-# reads, each through jax_private; tests/command/test_cluster.py resolves every
-# one, so a JAX release that moves one fails there, by name, not in a user's job.
-JAX_PRIVATE = {
-    "cluster types": ("jax._src.clusters", "ClusterEnv._cluster_types"),
-    "on a Cloud TPU VM": ("jax._src.cloud_tpu_init", "running_in_cloud_tpu_vm"),
-    # The coordinator's key-value store, where the job's processes watch each other
-    # (trainer/command/peers.py).
-    "distributed runtime client": ("jax._src.distributed", "global_state.client"),
-}
-
-
-def jax_private(what: str):
-    """The value of one of :data:`JAX_PRIVATE`, read now (tests patch them).
-
-    Raises:
-      RuntimeError: naming it and the JAX version, if this JAX has moved it.
-    """
-    module, attributes = JAX_PRIVATE[what]
-    try:
-        value = importlib.import_module(module)
-        for attribute in attributes.split("."):
-            value = getattr(value, attribute)
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(
-            f"JAX {jax.__version__} has no {module}.{attributes}, which "
-            f"trainer/command/cluster.py reads ({what}: {e}); use the JAX version "
-            "pyproject.toml pins (to skip detecting the cluster: pass --coordinator_address, "
-            "--num_processes and --process_id)"
-        ) from e
-    return value
+# join: its detectors are private, read through trainer/jax_internals.py's table.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +65,7 @@ def _managed_environment():
     The same search ``jax.distributed.initialize()`` makes: registration order,
     skipping the opt-in-only types (mpi4py).
     """
-    for env in jax_private("cluster types"):
+    for env in jax_internals.private("cluster types"):
         if not env.opt_in_only_method and env.is_env_present():
             return env
     return None
@@ -157,7 +127,7 @@ def detect(
     )
     name = env.name or env.__name__
     local_rank = env.get_local_process_id()
-    every_device = jax_private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
+    every_device = jax_internals.private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
     devices = None if every_device else (local_rank,)
     return Job(name, address, env.get_process_count(), env.get_process_id(), devices)
 

@@ -150,9 +150,9 @@ def start(timeout_s: float, on_lost: Callable[[str], None]) -> PeerWatch | None:
     None for a lone process."""
     import jax  # noqa: PLC0415  (after the runtime started)
 
-    from trainer.command import cluster  # noqa: PLC0415  (imports JAX)
+    from trainer import jax_internals  # noqa: PLC0415  (imports JAX)
 
     if jax.process_count() == 1:
         return None
-    client = cluster.jax_private("distributed runtime client")
+    client = jax_internals.private("distributed runtime client")
     return PeerWatch(client, jax.process_index(), jax.process_count(), timeout_s, on_lost)

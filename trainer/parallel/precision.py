@@ -24,105 +24,50 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-# Primitive -> the operand positions whose elements are moved, not combined.
-_ELEMENT_MOVES: dict[str, Callable[[int], bool]] = {
-    **{
-        name: (lambda i: i == 0)
-        for name in (
-            "reshape",
-            "transpose",
-            "squeeze",
-            "expand_dims",
-            "broadcast_in_dim",
-            "slice",
-            "rev",
-            "copy",
-            "copy_p",
-            "gather",
-            "dynamic_slice",
-            "sharding_constraint",
-            "mesh_cast",
-            "reshard",
-            "reduce_precision",
-        )
-    },
-    "concatenate": lambda i: True,
-    "pad": lambda i: i == 0,
-    "dynamic_update_slice": lambda i: i in (0, 1),
-    "select_n": lambda i: i > 0,
-}
+from trainer import jax_internals
 
-
-def _sub_jaxprs(eqn) -> list[tuple[Any, list[int | None]]]:
-    """(sub-jaxpr, operand index -> sub-jaxpr input index) of a call-like eqn."""
-    params, name = eqn.params, eqn.primitive.name
-    n = len(eqn.invars)
-    identity = list(range(n))
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in params and name not in ("scan", "while", "cond"):
-            return [(params[key], identity)]
-    if name == "scan":
-        # Operands: consts, carry, xs; the body takes them in that order, an xs operand
-        # one slice per iteration (a stacked parameter of scanned layers: one layer's).
-        # Consts and xs are followed; a carried parameter may come back modified, so
-        # it is not.
-        consts, carry = params["num_consts"], params["num_carry"]
-        follow = [None if consts <= i < consts + carry else i for i in range(n)]
-        return [(params["jaxpr"], follow)]
-    if name == "cond":
-        return [(branch, [None] + list(range(n - 1))) for branch in params["branches"]]
-    return []
-
-
-def _jaxpr_of(closed_or_open):
-    return getattr(closed_or_open, "jaxpr", closed_or_open)
+# What a jaxpr's primitives are called and how their operands reach the jaxprs they
+# call is JAX's to change: trainer/jax_internals.py holds it, checked by a test.
+_MOVES = jax_internals.ELEMENT_MOVES
 
 
 def _flows_into_low(jaxpr, var, low: np.dtype, returned: Callable[[int], bool]) -> bool:
-    """Whether every use of ``var`` in ``jaxpr`` ends in a rounding to ``low``.
+    """Whether every use of ``var`` in ``jaxpr`` (open) ends in a rounding to ``low``.
 
     ``returned(k)`` answers the same question for the k-th output of ``jaxpr``
     in its caller (a value passed through a sub-jaxpr is followed outside).
     """
-    jaxpr = _jaxpr_of(jaxpr)
     outputs = [k for k, out in enumerate(jaxpr.outvars) if out is var]
-    uses = [
-        (eqn, i)
-        for eqn in jaxpr.eqns
-        for i, x in enumerate(eqn.invars)
-        if isinstance(x, jex_core.Var) and x is var
-    ]
+    uses = [(eqn, i) for eqn in jaxpr.eqns for i, x in enumerate(eqn.invars) if x is var]
     if not uses and not outputs:
         return False
     if not all(returned(k) for k in outputs):
         return False
     for eqn, i in uses:
-        name = eqn.primitive.name
-        if name == "convert_element_type":
-            if np.dtype(eqn.params["new_dtype"]) != low:
+        if (dtype := jax_internals.cast_dtype(eqn)) is not None:
+            if np.dtype(dtype) != low:
                 return False
             continue
-        if name in _ELEMENT_MOVES:
-            if not _ELEMENT_MOVES[name](i):
+        name = eqn.primitive.name
+        if name in _MOVES:
+            if not _MOVES[name](i):
                 return False
             if not all(_flows_into_low(jaxpr, out, low, returned) for out in eqn.outvars):
                 return False
             continue
-        subs = _sub_jaxprs(eqn)
-        if not subs:
+        calls = jax_internals.operand_map(eqn)
+        if calls is None:
             return False
-        for sub, mapping in subs:
+        for sub, mapping, loops in calls:
             if mapping[i] is None:
                 return False
 
-            def out_of_call(k, eqn=eqn):
-                if eqn.primitive.name == "scan" and k < eqn.params["num_carry"]:
-                    return False  # carried into the next iteration: not followed
-                return _flows_into_low(jaxpr, eqn.outvars[k], low, returned)
+            def out_of_call(k, eqn=eqn, loops=loops):
+                # A loop's outputs are its next trip's inputs too: not followed.
+                return not loops and _flows_into_low(jaxpr, eqn.outvars[k], low, returned)
 
-            if not _flows_into_low(sub, _jaxpr_of(sub).invars[mapping[i]], low, out_of_call):
+            if not _flows_into_low(sub, sub.invars[mapping[i]], low, out_of_call):
                 return False
     return True
 
