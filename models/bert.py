@@ -22,8 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import layer_stack
 from models.layers import Embedding, LayerNorm, attention, named
-from models.remat import remat_layer
 
 Array = jax.Array
 _EMBED_ACT = ("batch", "length", "embed")
@@ -150,9 +150,16 @@ class EncoderLayer(nn.Module):
 
 
 class Bert(nn.Module):
-    """BERT with its masked-LM head; see :class:`BertConfig`."""
+    """BERT with its masked-LM head; see :class:`BertConfig`.
+
+    Attributes:
+      config: the model's hyperparameters.
+      layer_weights: ``(stack name, transform)`` pairs: the weights the stack's layers
+        compute with (:mod:`models.layer_stack`; empty: their parameters).
+    """
 
     config: BertConfig
+    layer_weights: tuple[tuple[str, layer_stack.LayerWeights], ...] = ()
 
     def setup(self) -> None:
         cfg = self.config
@@ -163,25 +170,19 @@ class Bert(nn.Module):
         self.embedding_norm = _norm(cfg, "embedding_norm")
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
         # `train` is passed positionally: a static argument of the remat'd layers.
-        layer = remat_layer(
+        self.layers = layer_stack.layer_stack(
             EncoderLayer,
-            cfg.remat,
+            (cfg,),
+            name="layers",
+            length=cfg.num_layers,
+            scan=cfg.scan_layers,
+            remat=cfg.remat,
             static_argnums=(3,),
-            in_scan=cfg.scan_layers,
-            stack="layers" if cfg.scan_layers else None,
+            broadcast=2,
+            layer_weights=self.layer_weights,
+            unroll=cfg.scan_unroll,
+            split_rngs=("dropout",),
         )
-        if cfg.scan_layers:
-            self.layers = nn.scan(
-                layer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                unroll=min(cfg.scan_unroll, cfg.num_layers),
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
-        else:
-            self.layers = [layer(cfg) for _ in range(cfg.num_layers)]
         self.head_transform = _Dense(cfg.emb_dim, ("embed", "mlp"), cfg)
         self.head_norm = _norm(cfg, "head_norm")
         self.head_bias = self.param(
@@ -218,11 +219,7 @@ class Bert(nn.Module):
         x = nn.with_logical_constraint(x, _EMBED_ACT)
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids > 0)[:, :, None]
         mask = mask[:, None]  # [batch, 1, length, length]
-        if cfg.scan_layers:
-            x, _ = self.layers(x, mask, train)
-        else:
-            for layer in self.layers:
-                x = layer(x, mask, train)
+        x = layer_stack.run(self.layers, x, mask, train)
         picked = jnp.take_along_axis(x, masked_positions[..., None], axis=1)
         h = self.head_norm(jax.nn.gelu(self.head_transform(picked), approximate=False))
         logits = self.token_embedding.attend(h) + self.head_bias.astype(jnp.float32)

@@ -28,10 +28,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import rope
+from models import layer_stack, rope
 from models.kv_cache import cached_block
 from models.layers import Embedding, RMSNorm, attention, named
-from models.remat import remat_layer
 
 Array = jax.Array
 _EMBED_ACT = ("batch", "length", "embed")
@@ -260,9 +259,16 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The language model; see :class:`DecoderConfig`."""
+    """The language model; see :class:`DecoderConfig`.
+
+    Attributes:
+      config: the model's hyperparameters.
+      layer_weights: ``(stack name, transform)`` pairs: the weights the stack's layers
+        compute with (:mod:`models.layer_stack`; empty: their parameters).
+    """
 
     config: DecoderConfig
+    layer_weights: tuple[tuple[str, layer_stack.LayerWeights], ...] = ()
 
     def setup(self) -> None:
         cfg = self.config
@@ -276,25 +282,18 @@ class Decoder(nn.Module):
         self.token_embedding = Embedding(**table)
         if not cfg.tie_embeddings:
             self.output_embedding = Embedding(**table)
-        layer = remat_layer(
+        self.layers = layer_stack.layer_stack(
             DecoderLayer,
-            cfg.remat,
+            (cfg,),
+            name="layers",
+            length=cfg.num_layers,
+            scan=cfg.scan_layers,
+            remat=cfg.remat,
             static_argnums=(),
-            in_scan=cfg.scan_layers,
-            stack="layers" if cfg.scan_layers else None,
+            broadcast=2,
+            layer_weights=self.layer_weights,
+            unroll=cfg.scan_unroll,
         )
-        if cfg.scan_layers:
-            self.layers = nn.scan(
-                layer,
-                variable_axes={"params": 0, "cache": 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                unroll=min(cfg.scan_unroll, cfg.num_layers),
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
-        else:
-            self.layers = [layer(cfg) for _ in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg.dtype, cfg.param_dtype, cfg.rms_norm_eps)
 
     def __call__(
@@ -327,11 +326,7 @@ class Decoder(nn.Module):
             flash = cfg.attention == "flash"
             mask = segments if flash else causal_mask(segments, cfg.sliding_window)
         x = nn.with_logical_constraint(self.token_embedding(ids), _EMBED_ACT)
-        if cfg.scan_layers:
-            x, _ = self.layers(x, positions, mask)
-        else:
-            for layer in self.layers:
-                x = layer(x, positions, mask)
+        x = layer_stack.run(self.layers, x, positions, mask)
         x = self.final_norm(x)
         table = self.token_embedding if cfg.tie_embeddings else self.output_embedding
         return nn.with_logical_constraint(table.attend(x), ("batch", "length", "vocab"))

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.remat import remat_layer
+from models.layer_stack import remat_layer
 
 Array = jax.Array
 _ACT = ("batch", "height", "width", "channels")

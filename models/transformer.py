@@ -18,10 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import layer_stack
 from models.kv_cache import update_kv_cache
 from models.layers import Embedding, LayerNorm, attention, named
 from models.packed_sequences import attention_mask, shift_right, sinusoidal_embedding
-from models.remat import remat_layer
 
 Array = jax.Array
 _EMBED_ACT = ("batch", "length", "embed")
@@ -190,25 +190,17 @@ class DecoderLayer(nn.Module):
         return (y, None) if cfg.scan_layers else y
 
 
-def _scanned(layer: Any, cfg: TransformerConfig, length: int, broadcast: int, name: str):
-    """`length` copies of `layer` as one `nn.scan`: parameters (and a decoding cache)
-    stacked on a leading "layers" axis, dropout keys split per layer, the `broadcast`
-    arguments after the carry the same for every layer."""
-    return nn.scan(
-        layer,
-        variable_axes={"params": 0, "cache": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * broadcast,
-        length=length,
-        unroll=min(cfg.scan_unroll, length),
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg, name=name)
-
-
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; see `TransformerConfig`."""
+    """Encoder-decoder Transformer; see `TransformerConfig`.
+
+    Attributes:
+      config: the model's hyperparameters.
+      layer_weights: ``(stack name, transform)`` pairs: the weights the stacks' layers
+        compute with (:mod:`models.layer_stack`; empty: their parameters).
+    """
 
     config: TransformerConfig
+    layer_weights: tuple[tuple[str, layer_stack.LayerWeights], ...] = ()
 
     def setup(self) -> None:
         cfg = self.config
@@ -225,31 +217,31 @@ class Transformer(nn.Module):
             self.decoder_embedding = Embedding(**table)
             self.logits_embedding = Embedding(**table)
         # `train` is passed positionally: a static argument of the remat'd layers.
-        scan = cfg.scan_layers
-        encoder_layer = remat_layer(
+        stack = dict(
+            scan=cfg.scan_layers,
+            remat=cfg.remat,
+            layer_weights=self.layer_weights,
+            unroll=cfg.scan_unroll,
+            split_rngs=("dropout",),
+        )
+        self.encoder_layers = layer_stack.layer_stack(
             EncoderLayer,
-            cfg.remat,
+            (cfg,),
+            name="encoder_layers",
+            length=cfg.num_encoder_layers,
             static_argnums=(3,),
-            in_scan=scan,
-            stack="encoder_layers" if scan else None,
+            broadcast=2,
+            **stack,
         )
-        decoder_layer = remat_layer(
+        self.decoder_layers = layer_stack.layer_stack(
             DecoderLayer,
-            cfg.remat,
+            (cfg,),
+            name="decoder_layers",
+            length=cfg.num_decoder_layers,
             static_argnums=(5,),
-            in_scan=scan,
-            stack="decoder_layers" if scan else None,
+            broadcast=4,
+            **stack,
         )
-        if scan:
-            self.encoder_layers = _scanned(
-                encoder_layer, cfg, cfg.num_encoder_layers, 2, "encoder_layers"
-            )
-            self.decoder_layers = _scanned(
-                decoder_layer, cfg, cfg.num_decoder_layers, 4, "decoder_layers"
-            )
-        else:
-            self.encoder_layers = [encoder_layer(cfg) for _ in range(cfg.num_encoder_layers)]
-            self.decoder_layers = [decoder_layer(cfg) for _ in range(cfg.num_decoder_layers)]
         self.encoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.decoder_norm = LayerNorm(cfg.dtype, cfg.param_dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
@@ -284,11 +276,7 @@ class Transformer(nn.Module):
         x = self._embed("encoder", inputs, inputs_positions, train)
         seg = inputs_segmentation
         mask = attention_mask(inputs > 0, inputs > 0, seg, seg)
-        if self.config.scan_layers:
-            x, _ = self.encoder_layers(x, mask, train)
-        else:
-            for layer in self.encoder_layers:
-                x = layer(x, mask, train)
+        x = layer_stack.run(self.encoder_layers, x, mask, train)
         return self.encoder_norm(x)
 
     def decode(
@@ -319,11 +307,7 @@ class Transformer(nn.Module):
             self_mask = attention_mask(valid, valid, seg, seg, causal=True)
             cross_mask = attention_mask(valid, inputs > 0, seg, inputs_segmentation)
         y = self._embed("decoder", decoder_inputs, targets_positions, train)
-        if self.config.scan_layers:
-            y, _ = self.decoder_layers(y, encoded, self_mask, cross_mask, train)
-        else:
-            for layer in self.decoder_layers:
-                y = layer(y, encoded, self_mask, cross_mask, train)
+        y = layer_stack.run(self.decoder_layers, y, encoded, self_mask, cross_mask, train)
         logits = self._table("logits").attend(self.decoder_norm(y))
         # [batch, target_len, vocab] float32
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

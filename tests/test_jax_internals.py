@@ -100,9 +100,7 @@ def _max_bf16(w):
 def test_the_precision_pass_follows_every_kind_of_call(name):
     use, rounded = CASES[name]
     params = {"w": jnp.ones((4, 4))}
-    flags = precision.low_precision_params(
-        use, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16
-    )
+    flags = precision.low_precision_params(use, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16)
     assert flags == {"w": rounded}
 
 

@@ -47,9 +47,7 @@ def tpu_vm(monkeypatch):
 
 
 def test_a_moved_private_name_is_named(monkeypatch):
-    monkeypatch.setitem(
-        jax_internals.PRIVATE, "cluster types", ("jax._src.clusters", "Gone.x")
-    )
+    monkeypatch.setitem(jax_internals.PRIVATE, "cluster types", ("jax._src.clusters", "Gone.x"))
     with pytest.raises(RuntimeError, match=r"jax\._src\.clusters\.Gone\.x.*--coordinator_address"):
         cluster.detect()
 

@@ -127,7 +127,9 @@ def detect(
     )
     name = env.name or env.__name__
     local_rank = env.get_local_process_id()
-    every_device = jax_internals.private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
+    every_device = (
+        jax_internals.private("on a Cloud TPU VM") or local_rank is None or _alone_on_host(name)
+    )
     devices = None if every_device else (local_rank,)
     return Job(name, address, env.get_process_count(), env.get_process_id(), devices)
 

@@ -7,9 +7,10 @@ in a v5e's 16 GB. Here a stack of layers (a scanned module, parameters
 ``[layers, ...]``) stays sharded through the scan: its stored layout shards each
 layer's slice alike (:func:`trainer.parallel.layout.choose_layout` with ``first=1``),
 the scan hands each layer its slice of every device's shard, and the layer's body
-(:mod:`models.layer_weights`) all-gathers that slice, in ``gather_dtype`` where the
-model rounds to it anyway, as the layer starts. The layer's backward pass gathers
-it again (the gathered weights are never kept: ``models.remat``) and reduce-scatters
+(the transform the trainer hands the model's ``layer_weights``, :mod:`models.layer_stack`)
+all-gathers that slice, in ``gather_dtype`` where the model rounds to it anyway, as
+the layer starts. The layer's backward pass gathers it again (the gathered weights are
+never kept: the layer is rematerialised) and reduce-scatters
 the layer's gradient in ``reduce_dtype`` straight into its shard. A chip holds one
 layer's gathered weights at a time, and XLA may start layer i+1's gather while layer
 i computes. The parameters outside the stacks (embeddings, final norms) are gathered
@@ -33,57 +34,10 @@ import jax
 from flax import traverse_util
 from jax.sharding import PartitionSpec
 
-from models import layer_weights
+from trainer.parallel import collectives
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel.layout import LeafLayout
 from trainer.parallel.rules import param_name
-
-_DATA = mesh_lib.DATA_AXIS
-
-
-def _on_data_dim(collective, x: jax.Array, dim: int) -> jax.Array:
-    """``collective(x, dim)`` over ``data``, the size-1 dims before ``dim`` dropped
-    around it (a stored layout keeps its logical rank; see ``plan._on_major_dim``)."""
-    lead = x.shape[:dim]
-    if not lead or any(d != 1 for d in lead):
-        return collective(x, dim)
-    out = collective(x.reshape(x.shape[dim:]), 0)
-    return out.reshape(lead + out.shape)
-
-
-def _all_gather(x: jax.Array, dim: int) -> jax.Array:
-    return jax.lax.all_gather(x, _DATA, axis=dim, tiled=True)
-
-
-def _reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
-    return jax.lax.psum_scatter(x, _DATA, scatter_dimension=dim, tiled=True)
-
-
-def gather(
-    lay: LeafLayout, dtype, gather_dtype, reduce_dtype, partial: bool
-) -> Callable[[jax.Array], jax.Array]:
-    """The local shard of a parameter stored as ``lay`` -> the whole parameter in its
-    logical shape and ``dtype``, all-gathered in ``gather_dtype``; its gradient is
-    reduce-scattered in ``reduce_dtype`` into the shard (and summed over the
-    ``replica`` axis where sharding is ``partial``). Inside a ``shard_map`` over data."""
-
-    @jax.custom_vjp
-    def gathered(shard):
-        whole = _on_data_dim(_all_gather, shard.astype(gather_dtype), lay.dim)
-        return lay.to_logical(whole).astype(dtype)
-
-    def forward(shard):
-        return gathered(shard), None
-
-    def backward(_, grad):
-        grad = lay.to_stored(grad).astype(reduce_dtype)
-        grad = _on_data_dim(_reduce_scatter, grad, lay.dim)
-        if partial:
-            grad = jax.lax.psum(grad, mesh_lib.REPLICA_AXIS)
-        return (grad.astype(dtype),)
-
-    gathered.defvjp(forward, backward)
-    return gathered
 
 
 def _data_only(spec: PartitionSpec, data: tuple[str, ...]) -> PartitionSpec:
@@ -108,8 +62,9 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
 
     Args:
       plan: the :class:`~trainer.parallel.plan.UpdateShardingPlan` (mode ``per_layer``).
-      replica_loss: ``(params, model_state, rows, rng, weight) -> (loss, aux)`` of
-        one replica (the step's).
+      replica_loss: ``(params, model_state, rows, rng, weight, layer_weights) ->
+        (loss, aux)`` of one replica (the step's); ``layer_weights`` are the
+        ``(stack name, transform)`` pairs the model's stacks compute with.
       stacks: a tree like the params: each leaf's stack (``layers``), or "".
     """
     mesh = plan.mesh
@@ -132,7 +87,9 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
         for i, lay in enumerate(layouts):
             if in_layer[i]:
                 gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
-                fn = gather(lay.in_layer(), dtypes[i], gather_dtype, plan.reduce_dtype, partial)
+                fn = collectives.gather(
+                    lay.in_layer(), dtypes[i], gather_dtype, plan.reduce_dtype, partial
+                )
                 stack, _, rest = names[i].partition("/")
                 per_stack.setdefault(stack_of[i], {})[rest] = fn
 
@@ -154,7 +111,10 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
                 weights.append(x)  # the layers' bodies gather their slices
             elif lay.sharded:
                 gather_dtype = plan.gather_dtype if low[i] else x.dtype
-                weights.append(gather(lay, x.dtype, gather_dtype, plan.reduce_dtype, partial)(x))
+                gathered = collectives.gather(
+                    lay, x.dtype, gather_dtype, plan.reduce_dtype, partial
+                )
+                weights.append(gathered(x))
             else:  # replicated: the shard_map's transpose sums its gradient over data
                 weights.append(x)
         params = jax.tree.unflatten(treedef, weights)
@@ -163,9 +123,14 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
             (logical, None if set(_axes(axis)) & manual else axis)
             for logical, axis in nn.get_logical_axis_rules()
         )
-        with nn.logical_axis_rules(rules), layer_weights.transforming(transforms(dtypes)):
+        with nn.logical_axis_rules(rules):
             loss, aux = replica_loss(
-                params, model_state, jax.tree.map(lambda r: r[0], rows), rngs[0], weight
+                params,
+                model_state,
+                jax.tree.map(lambda r: r[0], rows),
+                rngs[0],
+                weight,
+                tuple(transforms(dtypes).items()),
             )
         return loss[None], jax.tree.map(lambda a: a[None], aux)
 

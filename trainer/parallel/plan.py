@@ -50,6 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.errors import ConfigError
+from trainer.parallel import collectives
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import rules as rules_lib
 from trainer.parallel.layout import LeafLayout, choose_layout
@@ -176,7 +177,7 @@ class UpdateShardingPlan:
                 if i in bucketed:
                     x = gathered[i]
                 elif lay.sharded:
-                    x = _on_major_dim(_all_gather, x, lay.dim)
+                    x = collectives.on_major_dim(collectives.all_gather, x, lay.dim)
                 out.append(lay.to_logical(x).astype(leaves[i].dtype)[None])
             return tuple(out)
 
@@ -214,7 +215,7 @@ class UpdateShardingPlan:
                 dtype = g.dtype
                 g = lay.to_stored(g[0]).astype(self.reduce_dtype)  # this replica's gradient
                 if lay.sharded:
-                    g = _on_major_dim(_reduce_scatter, g, lay.dim)
+                    g = collectives.on_major_dim(collectives.reduce_scatter, g, lay.dim)
                     if partial:
                         g = jax.lax.psum(g, mesh_lib.REPLICA_AXIS)
                 else:
@@ -352,14 +353,6 @@ class UpdateShardingPlan:
         return rows
 
 
-def _all_gather(x: jax.Array, dim: int) -> jax.Array:
-    return jax.lax.all_gather(x, mesh_lib.DATA_AXIS, axis=dim, tiled=True)
-
-
-def _reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
-    return jax.lax.psum_scatter(x, mesh_lib.DATA_AXIS, scatter_dimension=dim, tiled=True)
-
-
 def _gather_bucket(members: list[tuple[jax.Array, int]], replicas: int) -> list[jax.Array]:
     """All-gathers several contiguously sharded tensors with one collective.
 
@@ -369,7 +362,7 @@ def _gather_bucket(members: list[tuple[jax.Array, int]], replicas: int) -> list[
     replicas' shards stacked on the sharded dim.
     """
     flat = jnp.concatenate([x.reshape(-1) for x, _ in members])
-    rows = _all_gather(flat, 0).reshape(replicas, flat.size)
+    rows = collectives.all_gather(flat, 0).reshape(replicas, flat.size)
     out, offset = [], 0
     for x, dim in members:
         lead, shard = x.shape[:dim], x.shape[dim:]
@@ -405,24 +398,6 @@ def bucket_gathers(layouts, gather_bytes, bucket_bytes: int) -> tuple[tuple[int,
         open_[dtype] = (members + [i], total + size)
     buckets += [tuple(members) for members, _ in open_.values()]
     return tuple(b for b in buckets if len(b) > 1)
-
-
-def _on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
-    """``collective(x, dim)`` over ``data``, with the size-1 dims before ``dim``
-    dropped around it when there are only such (a stored layout keeps its
-    logical rank: ``[3,3,256,256]`` is stored ``[1,1,2304,256]``).
-
-    Dropping them is a bitcast, no copy; keeping them costs twice the bytes: the
-    TPU back end runs a reduce-scatter whose scatter dim has only size-1 dims
-    before it as an all-reduce plus a dynamic-slice, while the same tensor
-    scattered on its major dim stays a true reduce-scatter (libtpu 0.0.42.1;
-    tests/analysis/test_aot.py compiles for a v3 topology and checks).
-    """
-    lead = x.shape[:dim]
-    if not lead or any(d != 1 for d in lead):  # already major, or a strided layout
-        return collective(x, dim)
-    out = collective(x.reshape(x.shape[dim:]), 0)
-    return out.reshape(lead + out.shape)
 
 
 def make_plan(

@@ -42,9 +42,11 @@ class Task:
         built without data.
       eval_batches: returns a fresh iterable of this process's eval batches
         (padding rows all zero, so they carry no weight).
-      loss_fn: ``(variables, batch, rng, train) -> (loss_sum, (metric_sums,
-        new_model_state))`` on one data replica's rows; ``metric_sums`` holds
-        sums, with the normaliser under ``"weight"``.
+      loss_fn: ``(variables, batch, rng, train, layer_weights=()) -> (loss_sum,
+        (metric_sums, new_model_state))`` on one data replica's rows; ``metric_sums``
+        holds sums, with the normaliser under ``"weight"``. ``layer_weights``, the
+        ``(stack name, transform)`` pairs of :mod:`models.layer_stack`, are the
+        weights the training model's stacks compute with (``per_layer`` gathers).
       weight_fn: ``batch -> total weight`` the loss sum is divided by (tokens,
         examples), computed on the global batch.
       init_fn: ``(rng, batch) -> variables`` (boxed, with logical axis names).

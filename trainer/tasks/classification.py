@@ -57,7 +57,8 @@ def make_task(
     def init_fn(rng, batch):
         return model.init({"params": rng}, normalize(batch["images"]), train=False)
 
-    def loss_fn(variables, batch, rng, train):
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
+        del layer_weights  # no stack of layers
         del rng  # no dropout; augmentation happens on the host
         images = normalize(batch["images"])
         if train:

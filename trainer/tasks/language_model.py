@@ -80,9 +80,9 @@ def make_task(
             return per_layer.init(*args)
         return stacking.init_like_unscanned(model, per_layer, *args)
 
-    def loss_fn(variables, batch, rng, train):
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
         del rng  # no dropout
-        logits = (model if train else eval_model).apply(
+        logits = (model.clone(layer_weights=layer_weights) if train else eval_model).apply(
             variables,
             batch["inputs"],
             positions=batch["positions"],

@@ -78,8 +78,8 @@ def make_task(
             return per_layer.init(*args)
         return stacking.init_like_unscanned(model, per_layer, *args)
 
-    def loss_fn(variables, batch, rng, train):
-        logits = (model if train else eval_model).apply(
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
+        logits = (model.clone(layer_weights=layer_weights) if train else eval_model).apply(
             variables, *arguments(batch), train=train, rngs={"dropout": rng} if train else {}
         )
         weights = batch["masked_weights"].astype(jnp.float32)

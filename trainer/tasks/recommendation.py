@@ -53,7 +53,8 @@ def make_task(
     def init_fn(rng, batch):
         return model.init({"params": rng}, batch["users"], batch["items"])
 
-    def loss_fn(variables, batch, rng, train):
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
+        del layer_weights  # no stack of layers
         del rng  # NeuMF has no dropout
         logits = (model if train else eval_model).apply(
             variables, batch["users"], batch["items"], train=train

@@ -109,8 +109,8 @@ def make_task(
             return per_layer.init(*args, **packing(batch))
         return stacking.init_like_unscanned(model, per_layer, *args, **packing(batch))
 
-    def loss_fn(variables, batch, rng, train):
-        logits = (model if train else eval_model).apply(
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
+        logits = (model.clone(layer_weights=layer_weights) if train else eval_model).apply(
             variables,
             batch["inputs"],
             batch["targets"],

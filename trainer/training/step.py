@@ -96,9 +96,9 @@ def make_step_fns(
     replica_rules = rules_lib.without_data_axes(rules, mesh)
     micro = accumulate_steps
 
-    def replica_loss(params, model_state, rows, rng, weight):
+    def replica_loss(params, model_state, rows, rng, weight, layer_weights=()):
         variables = {"params": params, **model_state}
-        loss_sum, aux = task.loss_fn(variables, rows, rng, True)
+        loss_sum, aux = task.loss_fn(variables, rows, rng, True, layer_weights)
         return loss_sum / weight, aux
 
     def over_replicas(fn):
