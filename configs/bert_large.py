@@ -6,7 +6,7 @@ feed-forward 4096, 30,522 uncased WordPiece ids: 335,174,458 parameters with the
 masked-LM head, as Hugging Face's BertForMaskedLM counts them), rows of 512 tokens
 with at most 76 masked, LAMB (You et al. 2019), and data parallelism only, weight
 updates sharded: on 4,096 TPU-v3 chips, 2 rows a chip (their Figure 8), a global batch
-of 8,192. Your documents, as for the decoder (trainer/input/language.py):
+of 8,192. Your documents, as for the decoder (trainer/input/language/):
 
   python -m trainer --config configs/bert_large.py --workdir gs://bucket/bert \\
       --config.data.train_files=gs://bucket/wiki/*.jsonl.gz \\

@@ -36,7 +36,7 @@ import os
 import ml_collections
 
 from configs import common
-from trainer import hf_config
+from trainer.hf import config as hf_config
 
 VARIANTS = {
     "tiny": "a 2-layer decoder on the embedded tiny_text corpus (~2 min on 2 CPU cores)",

@@ -75,7 +75,7 @@ def write_model(directory: str, size: str) -> tuple[int, int]:
     import numpy as np  # noqa: PLC0415
 
     from configs import llama  # noqa: PLC0415
-    from trainer import hf_config  # noqa: PLC0415
+    from trainer.hf import config as hf_config  # noqa: PLC0415
     from trainer.hf import names, safetensors_files  # noqa: PLC0415
 
     model = llama.get_config(size).model

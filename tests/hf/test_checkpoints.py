@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 from configs import llama
 from models import stacking
-from trainer import hf_config as hf_config_lib
 from trainer.errors import ConfigError
+from trainer.hf import config as hf_config_lib
 from trainer.hf import names
 from trainer.inference import hf_export
 from trainer.input import tokenizer as tokenizer_lib

@@ -11,8 +11,10 @@ import pytest
 from conftest import data_section, open_pipeline
 
 from trainer.errors import ConfigError
-from trainer.input import corpus, language, text_files, token_store
+from trainer.input import corpus, text_files, token_store
 from trainer.input import tokenizer as tokenizer_lib
+from trainer.input.language import features, pipeline
+from trainer.input.language import stream as stream_lib
 
 WORDS = [
     "the",
@@ -105,7 +107,7 @@ def test_bad_files_are_one_clear_error(tmp_path, files, message):
 
 def test_rows_hold_the_joined_documents_in_one_seeded_order():
     lengths = np.array([5, 3, 9, 2, 7, 4])
-    plan = language.RowPlan(lengths, row_tokens=5, stride=4, seed=7)
+    plan = stream_lib.DocumentStream(lengths, row_tokens=5, stride=4, seed=7)
     assert plan.rows_per_epoch == (30 - 5) // 4 + 1
     for epoch in range(2):
         order, starts = plan._epoch(epoch)
@@ -122,7 +124,7 @@ def test_rows_hold_the_joined_documents_in_one_seeded_order():
 def test_a_target_counts_only_inside_its_own_document():
     tokens = np.array([[3, 10, 11, 1, 3, 20, 21]])
     segments = np.array([[1, 1, 1, 1, 2, 2, 2]])
-    batch = language.decoder_batch(tokens, segments, np.array([[0, 1, 2, 3, 0, 1, 2]]))
+    batch = features.decoder_batch(tokens, segments, np.array([[0, 1, 2, 3, 0, 1, 2]]))
     np.testing.assert_array_equal(batch["targets"], [[10, 11, 1, 3, 20, 21]])
     # EOS (1) is learnt; the next document's BOS (3) is not predicted from it.
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 0, 1, 1]])
@@ -130,7 +132,7 @@ def test_a_target_counts_only_inside_its_own_document():
 
 def _batches(config, processes, index, count=3, position=0):
     data = open_pipeline(
-        language.make_language_data, config, 8, process_index=index, process_count=processes
+        pipeline.make_language_data, config, 8, process_index=index, process_count=processes
     )
     data.train.set_state({"global_batch": position})
     out = [next(data.train) for _ in range(count)]
@@ -186,7 +188,7 @@ def test_masking_follows_bert_and_the_row(tmp_path, corpus_files):
     assert (weights.sum(1) == 2).all()
     assert not np.isin(rows["masked_ids"][weights], [1, 3]).any()
     # Many rows: about 80% the mask, 10% another token, 10% the same one.
-    masking = language.Masking(0.15, 8, 4, 40, (1, 3), seed=0)
+    masking = features.Masking(0.15, 8, 4, 40, (1, 3), seed=0)
     tokens = np.random.default_rng(0).integers(5, 40, (2000, 40))
     masked = masking(np.arange(2000), tokens, np.ones_like(tokens), np.zeros_like(tokens))
     real = masked["masked_weights"].ravel().astype(bool)
@@ -227,7 +229,7 @@ def test_the_embedded_corpus_refuses_files_named_beside_it(tmp_path, key):
     config = _config(tmp_path, "", "", **{key: str(tmp_path / "mine.txt")})
     config.name = "tiny_text"
     with pytest.raises(ConfigError, match=f"data.{key}=.*is not read: data.name='tiny_text'"):
-        open_pipeline(language.make_language_data, config, 8)
+        open_pipeline(pipeline.make_language_data, config, 8)
     with pytest.raises(ConfigError, match=f"data.{key}="):
         store = str(tmp_path / "store")
-        open_pipeline(lambda c, o: language.write_token_store(c, o, store), config, 8)
+        open_pipeline(lambda c, o: pipeline.write_token_store(c, o, store), config, 8)

@@ -68,7 +68,8 @@ def _write_store(config, out: str) -> None:
     """The token store of a language model's training documents at ``out``."""
     if config.model.name not in ("decoder", "bert"):
         cli.fail(f"--out: model.name={config.model.name!r} is not a language model's config")
-    from trainer.input import language, pipelines  # noqa: PLC0415  (NumPy, SentencePiece)
+    from trainer.input import pipelines  # noqa: PLC0415  (NumPy, SentencePiece)
+    from trainer.input.language import pipeline as language  # noqa: PLC0415
 
     storage.make_directory(out, "--out")
     start = time.perf_counter()

@@ -21,8 +21,8 @@ import numpy as np
 from flax import traverse_util
 
 from models import stacking
-from trainer import hf_config
 from trainer.errors import ConfigError
+from trainer.hf import config as hf_config
 from trainer.hf import names as names_lib
 from trainer.hf import safetensors_files
 from trainer.parallel import placing

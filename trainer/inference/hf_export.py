@@ -2,7 +2,7 @@
 
 What ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` load: ``config.json`` (``LlamaForCausalLM``,
-``MistralForCausalLM`` or ``Qwen2ForCausalLM``: :mod:`trainer.hf_config`),
+``MistralForCausalLM`` or ``Qwen2ForCausalLM``: :mod:`trainer.hf.config`),
 ``generation_config.json``, the weights as ``model-0000N-of-0000M.safetensors`` shards
 with ``model.safetensors.index.json``, and the tokenizer files
 (:mod:`trainer.hf.tokenizer_files`).
@@ -27,9 +27,10 @@ from etils import epath
 from flax import traverse_util
 
 from models import stacking
-from trainer import hf_config, tasks
+from trainer import tasks
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.errors import ConfigError
+from trainer.hf import config as hf_config
 from trainer.hf import names as names_lib
 from trainer.hf import safetensors_files, tokenizer_files
 from trainer.inference import export as export_lib

@@ -17,9 +17,10 @@ from typing import Any
 import ml_collections
 
 from trainer.errors import ConfigError
-from trainer.input import imagenet, language, movielens, pipelines
+from trainer.input import imagenet, movielens, pipelines
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.input import translation as translation_data
+from trainer.input.language import pipeline as language
 from trainer.tasks import (
     classification,
     language_model,

@@ -17,7 +17,9 @@ import numpy as np
 
 from models import decoder, losses, rope, stacking
 from trainer.errors import ConfigError, floating_dtype
-from trainer.input import language as data_lib
+from trainer.input.language import documents as documents_lib
+from trainer.input.language import options as options_lib
+from trainer.input.language import pipeline as pipeline_lib
 from trainer.tasks.base import Task
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(decoder.DecoderConfig)} - {"rope_scaling"}
@@ -53,7 +55,7 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
 
 
 def make_task(
-    config: ml_collections.ConfigDict, open_data: Callable[[], data_lib.LanguageData] | None
+    config: ml_collections.ConfigDict, open_data: Callable[[], pipeline_lib.LanguageData] | None
 ) -> Task:
     """The language-modelling task of ``config`` on this process's data from
     ``open_data`` (None: model and shapes only, see :func:`trainer.tasks.make_task`)."""
@@ -65,14 +67,14 @@ def make_task(
         )
     data = open_data() if open_data else None
     if data is not None:
-        data_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
+        documents_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
     model = decoder.Decoder(cfg)
     eval_model = decoder.Decoder(
         dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
     )
     # Initial values are those of the unscanned model whatever model.scan_layers says.
     per_layer = decoder.Decoder(dataclasses.replace(cfg, scan_layers=False))
-    init_batch = {key: np.ones((1, length), np.int32) for key in data_lib.DECODER_KEYS}
+    init_batch = {key: np.ones((1, length), np.int32) for key in options_lib.DECODER_KEYS}
 
     def init_fn(rng, batch):
         args = ({"params": rng}, batch["inputs"])

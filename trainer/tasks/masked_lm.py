@@ -13,7 +13,9 @@ import numpy as np
 
 from models import bert, losses, stacking
 from trainer.errors import ConfigError, floating_dtype
-from trainer.input import language as data_lib
+from trainer.input.language import documents as documents_lib
+from trainer.input.language import options as options_lib
+from trainer.input.language import pipeline as pipeline_lib
 from trainer.tasks.base import Task
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(bert.BertConfig)}
@@ -38,7 +40,7 @@ def model_config(config: ml_collections.ConfigDict) -> bert.BertConfig:
 
 
 def make_task(
-    config: ml_collections.ConfigDict, open_data: Callable[[], data_lib.LanguageData] | None
+    config: ml_collections.ConfigDict, open_data: Callable[[], pipeline_lib.LanguageData] | None
 ) -> Task:
     """The masked-LM task of ``config`` on this process's data from ``open_data`` (None:
     model and shapes only, see :func:`trainer.tasks.make_task`)."""
@@ -53,7 +55,7 @@ def make_task(
         raise ConfigError("data.masked must be true for BERT: its rows are masked")
     data = open_data() if open_data else None
     if data is not None:
-        data_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
+        documents_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
     model = bert.Bert(cfg)
     eval_model = bert.Bert(
         dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
@@ -61,7 +63,7 @@ def make_task(
     per_layer = bert.Bert(dataclasses.replace(cfg, scan_layers=False))
     init_batch = {
         key: np.ones((1, predictions if key.startswith("masked") else length), np.int32)
-        for key in data_lib.MASKED_KEYS
+        for key in options_lib.MASKED_KEYS
     }
 
     def arguments(batch):
