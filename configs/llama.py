@@ -14,7 +14,8 @@ A laptop-sized variant that learns on the embedded corpus (generated locally):
 
 The same small model on a folder of your own text (the sample files of
 examples/text/ by default; .txt, .jsonl or .parquet, gzip allowed), with a
-SentencePiece vocabulary trained on it:
+SentencePiece vocabulary trained on it, evaluated on 1% of the documents held out
+(``data.eval_holdout``) unless eval files are named:
 
   python -m trainer --config configs/llama.py:text --workdir /tmp/mylm --cpu_devices 8 \\
       [--config.data.train_files=/my/texts/*.txt --config.data.eval_files=/my/eval.txt]
@@ -139,7 +140,10 @@ def data_section(name: str = "text_files", **overrides) -> ml_collections.Config
         # Your documents: comma-separated globs (local or gs://) of .txt, .jsonl or .parquet
         # files, gzip allowed (trainer/input/text_files.py).
         train_files="",
-        eval_files="",  # held-out documents for eval loss and perplexity, the same forms
+        # Documents for eval loss and perplexity, the same forms; "" = hold out
+        # eval_holdout of the training documents (seeded: the same on any process count).
+        eval_files="",
+        eval_holdout=0.01,
         document="line",  # a .txt file holds a document a line | a blank_line between them
         text_field="text",  # the JSON key / Parquet column holding a document's text
         # A SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding
@@ -230,10 +234,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         )
         config.optimizer.min_shard_bytes = 4096
     if "text" in parts:
+        # Evaluated on a held-out 1% of the training documents, yours once you name them.
         config.data.update(
-            name="text_files",
-            train_files=os.path.normpath(os.path.join(SAMPLE_TEXT, "train", "*")),
-            eval_files=os.path.normpath(os.path.join(SAMPLE_TEXT, "eval.jsonl")),
+            name="text_files", train_files=os.path.normpath(os.path.join(SAMPLE_TEXT, "train", "*"))
         )
         # Twice as deep and wide, and longer, than tiny: enough to learn the sample's
         # translations word for word (a greedy continuation then gives them; tiny's

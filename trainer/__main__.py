@@ -63,6 +63,12 @@ _HEARTBEAT = flags.DEFINE_integer(
     "Seconds after which a process of the job that stopped answering (frozen, or its host "
     "gone) is taken for lost: the others stop in one line. JAX's own timeout is twice this.",
 )
+_ACCEPT_NEW_TOKENIZER = flags.DEFINE_bool(
+    "accept_new_tokenizer",
+    False,
+    "Resume a run with another tokenizer than the one it was trained with (refused "
+    "otherwise: the checkpoint's embedding rows stand for its ids); the old one is kept.",
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -103,7 +109,13 @@ def main(argv: list[str]) -> None:
             from trainer.analysis import compiled  # noqa: PLC0415  (only when asked: compiles)
 
             config, _, _ = compiled.choose_update_sharding(config, jax.devices(), console.say)
-        train.train(config, _WORKDIR.value, stop=signals.install(), started=_STARTED)
+        train.train(
+            config,
+            _WORKDIR.value,
+            stop=signals.install(),
+            started=_STARTED,
+            accept_new_tokenizer=_ACCEPT_NEW_TOKENIZER.value,
+        )
     if signals.install().first == "SIGINT":
         sys.exit(signals.EXIT_INTERRUPTED)
 

@@ -5,6 +5,7 @@ BERT's masking."""
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -233,3 +234,44 @@ def test_the_embedded_corpus_refuses_files_named_beside_it(tmp_path, key):
     with pytest.raises(ConfigError, match=f"data.{key}="):
         store = str(tmp_path / "store")
         open_pipeline(lambda c, o: pipeline.write_token_store(c, o, store), config, 8)
+
+
+def _numbers(batches, tokenizer):
+    """The document numbers (``doc042``) the rows' pieces show whole."""
+    out = set()
+    for batch in batches:
+        for ids, segments in zip(batch["inputs"], batch["segmentation"], strict=True):
+            for s in np.unique(segments[segments > 0]):
+                out |= set(re.findall(r"doc\d{3}", tokenizer.decode(ids[segments == s].tolist())))
+    return out
+
+
+def test_without_eval_files_a_seeded_share_of_the_training_documents_is_held_out(
+    tmp_path, capsys
+):
+    # Documents told apart by a number word of their own, so that a piece shows its
+    # document.
+    numbers = [f"doc{i:03d}" for i in range(200)]
+    (tmp_path / "train.txt").write_text("".join(f"{n} the dog sees\n" for n in numbers))
+    config = _config(
+        tmp_path, tmp_path / "train.txt", "", eval_holdout=0.05, vocab_size=40, max_length=8
+    )
+    data = open_pipeline(pipeline.make_language_data, config, 8)
+    assert "evaluating on 10 of the 200 documents of data.train_files, held out" in (
+        capsys.readouterr().err
+    )
+    held = _numbers(data.eval_batches(), data.tokenizer)
+    assert 5 <= len(held) <= 10 and held < set(numbers)
+    trained = _numbers([next(data.train) for _ in range(60)], data.tokenizer)
+    data.train.close()
+    assert not held & trained and len(trained) > 150
+    # Process 1 of 2 holds out the same documents (its eval rows are some of them).
+    again = open_pipeline(pipeline.make_language_data, config, 8, process_index=1, process_count=2)
+    assert _numbers(again.eval_batches(), again.tokenizer) <= held
+
+
+def test_eval_files_that_are_training_files_are_refused(tmp_path, corpus_files):
+    train, _ = corpus_files
+    config = _config(tmp_path, train, f"{tmp_path}/*.txt")
+    with pytest.raises(ConfigError, match="share 1 file.*train.txt.*would be on training"):
+        open_pipeline(pipeline.make_language_data, config, 8)

@@ -58,6 +58,9 @@ class Task:
         reported).
       run_files: files a run keeps in its work directory, name -> bytes, for
         what later works on the run alone (the tokenizer, for decoding).
+      input_record: what the training input is (files, sizes, a digest), JSON-able,
+        recorded in the work directory for a resume to compare with
+        (:mod:`trainer.training.resume_changes`); empty where there is nothing to say.
     """
 
     model: nn.Module
@@ -72,3 +75,4 @@ class Task:
     flops_per_example: float = 0.0
     counts_tokens: bool = False
     run_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    input_record: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -109,4 +109,5 @@ def make_task(
         flops_per_example=length * decoder.train_flops_per_token(cfg, length),
         counts_tokens=True,
         run_files=dict(data.tokenizer.files) if data is not None else {},
+        input_record=data.input_record if data is not None else {},
     )

@@ -103,4 +103,5 @@ def make_task(
         flops_per_example=length * bert.train_flops_per_token(cfg, length, predictions),
         counts_tokens=False,
         run_files=dict(data.tokenizer.files) if data is not None else {},
+        input_record=data.input_record if data is not None else {},
     )

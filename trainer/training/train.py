@@ -29,7 +29,7 @@ from trainer.reporting import metrics as metrics_lib
 from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
 from trainer.reporting.window import LogWindow
-from trainer.training import evaluation, init_from, profiling, stopping
+from trainer.training import evaluation, init_from, profiling, resume_changes, stopping
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
 from trainer.workdir import records, run_config, storage
@@ -81,6 +81,7 @@ def train(
     *,
     stop: stopping.StopRequests | None = None,
     started: float | None = None,
+    accept_new_tokenizer: bool = False,
 ) -> step_lib.TrainState:
     """Trains ``config`` in ``workdir`` and returns the final state.
 
@@ -93,6 +94,8 @@ def train(
         arrive, and Ctrl-C is Python's own KeyboardInterrupt.
       started: ``time.time()`` when the process started, for the summary's
         start-up time (default: now).
+      accept_new_tokenizer: a resume may go on with another tokenizer than the run's
+        (:mod:`trainer.training.resume_changes`; refused otherwise).
 
     At the end (also after a stop request) process 0 says a summary and writes
     it to ``DIR/summary.json`` (:mod:`trainer.reporting.summary`).
@@ -111,7 +114,7 @@ def train(
         if lead:
             report.begin()
         try:
-            state = _train(config, directory, run, report)
+            state = _train(config, directory, run, report, accept_new_tokenizer)
         except Exception as e:
             if lead:
                 report.failed(e)
@@ -133,6 +136,7 @@ def _train(
     directory: epath.Path,
     run: stopping.Run,
     report: summary_lib.RunReport,
+    accept_new_tokenizer: bool = False,
 ) -> step_lib.TrainState:
     """The run, inside ``run`` (lock held; every way out goes through it)."""
     # Checks profile_steps against the loop length before anything is built.
@@ -156,7 +160,7 @@ def _train(
     run.watch(checkpointer)
     state, resumed_at = _restore_or_initialise(exp, checkpointer, feed)
     step = int(state.step)
-    writer = _begin_records(exp, directory, checkpointer, step, resumed_at)
+    writer = _begin_records(exp, directory, checkpointer, step, resumed_at, accept_new_tokenizer)
     run.closes(writer.close)
 
     # ------------------------------------------------------- compiled loop
@@ -232,10 +236,26 @@ def _begin_records(
     checkpointer: checkpoint_lib.Checkpointer,
     step: int,
     resumed_at: int | None,
+    accept_new_tokenizer: bool,
 ) -> metrics_lib.MetricWriter:
-    """Records the accepted run in its work directory (process 0) and opens its
-    metric writer, which continues a resumed or restarted run's events at ``step``."""
-    lead, config = jax.process_index() == 0, exp.config
+    """Says what a resume changes (every process refuses what it must), records the
+    accepted run in its work directory (process 0) and opens its metric writer, which
+    continues a resumed or restarted run's events at ``step``."""
+    lead, config, task = jax.process_index() == 0, exp.config, exp.task
+    if resumed_at is not None:
+        changes = resume_changes.compare(
+            directory,
+            config,
+            task.run_files,
+            task.input_record,
+            step,
+            accept_new_tokenizer=accept_new_tokenizer,
+        )
+        if changes and lead:
+            console.say(f"resuming at step {step} with {len(changes)} change(s) to the run:")
+            for change in changes:
+                console.say(f"  {change.line()}")
+            resume_changes.set_aside_old_files(directory, task.run_files, step)
     # Every checkpoint was unusable and moved aside: the run starts over, and says so.
     started_over = resumed_at is None and bool(checkpointer.moved_aside)
     if lead:
@@ -243,10 +263,11 @@ def _begin_records(
         records.begin(
             directory,
             config,
-            exp.task.run_files,
+            task.run_files,
             step,
             started_over_from=corrupt if started_over else None,
         )
+        resume_changes.write_input_record(directory, task.input_record)
     writer = metrics_lib.MetricWriter(directory, enabled=lead)
     writer.log_config(config)
     if lead:

@@ -31,6 +31,36 @@ class TextDocuments:
         return [with_specials(ids, self._tokenizer) for ids in encoded]
 
 
+class DocumentSubset:
+    """Some of a collection's documents (``lengths`` and ``tokens`` as it has them), in
+    the order of ``indices`` (picklable where the collection is)."""
+
+    def __init__(self, documents, indices: np.ndarray):
+        self._documents, self._indices = documents, np.asarray(indices, np.int64)
+        self.lengths = np.asarray(documents.lengths)[self._indices]
+
+    def tokens(self, indices: Sequence[int]) -> list[np.ndarray]:
+        return self._documents.tokens([int(self._indices[int(i)]) for i in indices])
+
+
+# The key of the held-out draw in the seeded generator (the training order's is 0).
+_HOLDOUT_STREAM = 2
+
+
+def hold_out(count: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(training, held-out)`` indices of ``count`` documents: ``round(share * count)``
+    of them (at least one, and at least one left to train on) drawn by a generator
+    seeded with ``seed``, both in file order: the same on every process."""
+    if count < 2:
+        raise ConfigError(
+            f"data.train_files hold {count} document: nothing to hold out for evaluation "
+            "(give data.eval_files)"
+        )
+    held = min(max(1, round(share * count)), count - 1)
+    drawn = np.random.default_rng((seed, _HOLDOUT_STREAM)).permutation(count)
+    return np.sort(drawn[held:]), np.sort(drawn[:held])
+
+
 def check_vocabulary(tokenizer, vocab_size: int) -> None:
     """Raises ConfigError if ``tokenizer``'s ids would fall outside an embedding table
     of ``vocab_size`` rows (a table larger than the tokenizer, as Qwen2's, is fine)."""

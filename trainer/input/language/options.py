@@ -25,7 +25,10 @@ class LanguageOptions:
     """The language-model keys of the data config.
 
     Attributes:
-      train_files, eval_files: globs of documents (:mod:`trainer.input.text_files`).
+      train_files, eval_files: globs of documents (:mod:`trainer.input.text_files`);
+        eval_files "": hold out ``eval_holdout`` of the training documents instead.
+      eval_holdout: the share of the training documents held out for evaluation when
+        no eval_files are given.
       document: how a ``.txt`` file holds documents (``line`` | ``blank_line``).
       text_field: the JSON key / Parquet column of the text.
       tokenizer: a SentencePiece ``.model``, a ``tokenizer.json`` or a directory with
@@ -48,6 +51,7 @@ class LanguageOptions:
     max_length: int
     num_eval_rows: int
     tokenized_dir: str
+    eval_holdout: float = 0.01
     masked: bool = False
     mask_rate: float = 0.15
     max_predictions: int = 20
@@ -71,9 +75,16 @@ def read_options(config: Any) -> LanguageOptions:
         "tokenized_dir": lambda v: str(v or ""),
     }
     values = options.read(config, keys)
+    if "eval_holdout" in config:  # runs recorded before the key existed hold out 1%
+        values |= options.read(config, {"eval_holdout": float})
     if "masked" in config:
         values |= options.read(config, {"masked": bool, "mask_rate": float, "max_predictions": int})
     lm = LanguageOptions(**values)
+    if not lm.eval_files and not 0 < lm.eval_holdout < 1:
+        raise ConfigError(
+            f"data.eval_holdout={lm.eval_holdout} must be between 0 and 1 (the share of "
+            "data.train_files held out for evaluation), or give data.eval_files"
+        )
     if lm.max_length < 2:
         raise ConfigError(f"data.max_length={lm.max_length} leaves no room for a target")
     if lm.masked and not 0 < lm.mask_rate < 1:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from trainer import console
 from trainer.errors import ConfigError
 from trainer.input import corpus, feed, options, order, text_files, token_store
 from trainer.input import tokenizer as tokenizer_lib
@@ -31,11 +33,14 @@ class LanguageData:
       train: endless iterator of training batches with a global position.
       eval_batches: returns a fresh finite iterable of eval batches.
       tokenizer: the run's tokenizer.
+      input_record: what the training documents are (their files, bytes and count,
+        and a digest of their contents), recorded for a resume to compare.
     """
 
     train: feed.TrainBatches
     eval_batches: Callable[[], Iterable[Batch]]
     tokenizer: tokenizer_lib.TextTokenizer
+    input_record: dict = dataclasses.field(default_factory=dict)
 
 
 def _on_tiny_text(lm: LanguageOptions, data_dir: str) -> LanguageOptions:
@@ -69,15 +74,7 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
             f"data.name={opts.name!r}: a language model reads '{text_files.NAME}' (your "
             f"files), '{tiny_text.DATASET_NAME}' (the embedded corpus) or '{SYNTHETIC}'"
         )
-    reading = text_files.Reading(lm.document, lm.text_field, "data.train_files")
-    if lm.tokenized_dir:
-        store = token_store.TokenStore(lm.tokenized_dir)
-        tokenizer, train_docs = store.tokenizer, store
-    else:
-        documents = text_files.read(lm.train_files, reading)
-        tokenizer = documents_lib.tokenizer_for(lm, documents, opts.data_dir)
-        lengths = documents_lib.document_lengths(opts.data_dir, documents, tokenizer)
-        train_docs = documents_lib.TextDocuments(documents, tokenizer, lengths)
+    tokenizer, train_docs, eval_docs, record = _documents(lm, opts)
     documents_lib.check_tokenizer(tokenizer, lm)
     masking = None
     if lm.masked:
@@ -93,17 +90,106 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
     row_tokens = lm.max_length if lm.masked else lm.max_length + 1
     plan = DocumentStream(train_docs.lengths, row_tokens, lm.max_length, opts.seed)
     train = feed.TrainBatches(TrainBatchFn(train_docs, plan, opts, masking), opts)
-    eval_reading = dataclasses.replace(reading, key="data.eval_files")
-    eval_docs = text_files.read(lm.eval_files, eval_reading)
-    eval_lengths = documents_lib.document_lengths(opts.data_dir, eval_docs, tokenizer)
     evals = _eval_batches(
-        documents_lib.TextDocuments(eval_docs, tokenizer, eval_lengths),
-        DocumentStream(eval_lengths, row_tokens, lm.max_length, None),
+        eval_docs,
+        DocumentStream(eval_docs.lengths, row_tokens, lm.max_length, None),
         lm,
         opts,
         masking,
     )
-    return LanguageData(train, evals, tokenizer)
+    return LanguageData(train, evals, tokenizer, record)
+
+
+def _documents(lm: LanguageOptions, opts: DataOptions):
+    """``(tokenizer, training documents, eval documents, input record)``: the eval
+    documents are
+    ``data.eval_files``'s, refused where they share a file with the training
+    documents, or without them a held-out share of the training documents (the
+    tokenizer, where one is trained, learns from the rest only)."""
+    reading = text_files.Reading(lm.document, lm.text_field, "data.train_files")
+    held = None
+    if lm.tokenized_dir:
+        store = token_store.TokenStore(lm.tokenized_dir)
+        tokenizer, train_docs = store.tokenizer, store
+        record = _input_record(
+            store.manifest.get("sources", []), _store_digest(store), len(store.lengths)
+        )
+        if not lm.eval_files:
+            train, held = _hold_out(len(store.lengths), lm, opts)
+            train_docs = documents_lib.DocumentSubset(store, train)
+            held = documents_lib.DocumentSubset(store, held)
+    else:
+        documents = text_files.read(lm.train_files, reading)
+        record = _input_record(documents.files, documents.digest, len(documents))
+        if not lm.eval_files:
+            train, held_indices = _hold_out(len(documents), lm, opts)
+            documents, held = (
+                _text_subset(documents, indices, f"{lm.eval_holdout}-{opts.seed}-{part}")
+                for part, indices in (("train", train), ("held", held_indices))
+            )
+        tokenizer = documents_lib.tokenizer_for(lm, documents, opts.data_dir)
+        lengths = documents_lib.document_lengths(opts.data_dir, documents, tokenizer)
+        train_docs = documents_lib.TextDocuments(documents, tokenizer, lengths)
+        if held is not None:
+            held_lengths = documents_lib.document_lengths(opts.data_dir, held, tokenizer)
+            held = documents_lib.TextDocuments(held, tokenizer, held_lengths)
+    if held is not None:
+        return tokenizer, train_docs, held, record
+    _check_apart(lm)
+    eval_reading = dataclasses.replace(reading, key="data.eval_files")
+    eval_docs = text_files.read(lm.eval_files, eval_reading)
+    eval_lengths = documents_lib.document_lengths(opts.data_dir, eval_docs, tokenizer)
+    eval_docs = documents_lib.TextDocuments(eval_docs, tokenizer, eval_lengths)
+    return tokenizer, train_docs, eval_docs, record
+
+
+def _input_record(files, corpus_digest: str, documents: int) -> dict:
+    """What the training documents are: their files with their sizes, their count and
+    a digest of their contents."""
+    sizes = []
+    for name in files:
+        try:
+            sizes.append([str(name), storage.path(name).stat().length])
+        except OSError:
+            sizes.append([str(name), 0])
+    return {"corpus": corpus_digest, "files": sizes, "documents": documents}
+
+
+def _store_digest(store: token_store.TokenStore) -> str:
+    """A token store's digest: of its manifest (its sources, tokenizer and counts)."""
+    return hashlib.sha256(json.dumps(store.manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _hold_out(count: int, lm: LanguageOptions, opts: DataOptions):
+    train, held = documents_lib.hold_out(count, lm.eval_holdout, opts.seed)
+    if opts.process_index == 0:
+        console.say(
+            f"evaluating on {len(held):,} of the {count:,} documents of data.train_files, "
+            f"held out ({lm.eval_holdout:.1%}, data.eval_holdout; or give data.eval_files)"
+        )
+    return train, held
+
+
+def _text_subset(documents: text_files.Documents, indices, tag: str) -> text_files.Documents:
+    """Some of ``documents``, with a digest of its own (it names their caches)."""
+    return dataclasses.replace(
+        documents,
+        texts=[documents.texts[int(i)] for i in indices],
+        digest=hashlib.sha256(f"{documents.digest}/{tag}".encode()).hexdigest()[:16],
+    )
+
+
+def _check_apart(lm: LanguageOptions) -> None:
+    """Refuses eval files that are training files too: the eval loss would be a
+    training loss."""
+    train = {str(p) for p in corpus.expand(lm.train_files, "data.train_files")}
+    both = [str(p) for p in corpus.expand(lm.eval_files, "data.eval_files") if str(p) in train]
+    if both:
+        raise ConfigError(
+            f"data.eval_files and data.train_files share {len(both)} file(s) ({both[0]}): "
+            "the evaluation would be on training documents (name other eval files, or leave "
+            "data.eval_files empty to hold out data.eval_holdout of the training documents)"
+        )
 
 
 def write_token_store(data_config: Any, opts: DataOptions, out: str) -> dict:
@@ -152,6 +238,12 @@ def _eval_batches(documents, plan: DocumentStream, lm: LanguageOptions, opts: Da
     total = plan.rows_per_epoch
     if lm.num_eval_rows >= 0:
         total = min(total, lm.num_eval_rows)
+    if opts.process_index == 0:
+        every = "all" if total == plan.rows_per_epoch else f"{total:,}"
+        console.say(
+            f"evaluation: {every} of the {plan.rows_per_epoch:,} rows of {lm.max_length} tokens "
+            "the eval documents make (data.num_eval_rows; -1 = all)"
+        )
     share = feed.EvalShare.of(total, opts)
 
     def batches() -> Iterator[Batch]:
