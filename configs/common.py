@@ -23,6 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_every_steps = 1000  # evaluate every N steps and at the end; 0 = never
     # Also evaluate the initial parameters, before the first step (a fresh run's row 0).
     config.eval_at_start = False
+    # Outputs shown beside the eval metrics, in the log and TensorBoard: translations,
+    # a decoder's continuations of held-out documents, BERT's masked-token guesses.
+    config.eval_samples = 3
     config.checkpoint_every_steps = 1000  # save every N steps and at the end; 0 = only at the end
     config.keep_checkpoints = 3  # checkpoints kept (>= 1; the newest complete one always)
     # Warn (once) when a step's loss exceeds this many times the lowest of the 1000 steps

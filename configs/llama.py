@@ -22,7 +22,9 @@ SentencePiece vocabulary trained on it, evaluated on 1% of the documents held ou
 
 A Hugging Face model you have on disk (Llama, Mistral or Qwen2: config.json,
 *.safetensors and the tokenizer files), fine-tuned on your own text: the model is
-built from its config.json, starts from its weights and tokenizes with its tokenizer:
+built from its config.json, starts from its weights and tokenizes with its tokenizer,
+with fine-tuning settings (Alpaca's: learning rate 2e-5, cosine, 3% warm-up, no weight
+decay; 1,000 steps of 64 rows of at most 2,048 tokens):
 
   python -m trainer --config configs/llama.py:hf=/models/Llama-3.2-1B --workdir /tmp/ft \
       --config.data.train_files=/my/texts/*.jsonl --config.data.eval_files=/my/eval.jsonl
@@ -46,6 +48,10 @@ VARIANTS = {
     "llama3-8b": "Llama 3 8B: 32 layers, d 4096, 32/8 heads, 8,030,261,248 parameters",
     "llama3-70b": "Llama 3 70B: 80 layers, d 8192, 64/8 heads, 70,553,706,496 parameters",
     "synthetic": "random tokens: no dataset needed (for bench and aot)",
+}
+# Variants that take a value (``:hf=DIR``), for --list_configs.
+OPTIONS = {
+    "hf=DIR": "a Hugging Face model directory (config.json, weights, tokenizer), fine-tuned",
 }
 # The sample documents of the ``text`` variant (scripts/make_sample_text.py).
 SAMPLE_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "text")
@@ -143,7 +149,7 @@ def data_section(name: str = "text_files", **overrides) -> ml_collections.Config
         # Documents for eval loss and perplexity, the same forms; "" = hold out
         # eval_holdout of the training documents (seeded: the same on any process count).
         eval_files="",
-        eval_holdout=0.01,
+        eval_holdout=0.01,  # the share of train_files held out when eval_files is ""
         document="line",  # a .txt file holds a document a line | a blank_line between them
         text_field="text",  # the JSON key / Parquet column holding a document's text
         # A SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding
@@ -253,7 +259,29 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         config.model.update(hf_config.read_model_keys(directory))
         config.init_from = directory
         config.data.tokenizer = directory
-        config.data.max_length = min(config.data.max_length, config.model.max_len)
+        config.data.max_length = min(config.data.max_length, 2048, config.model.max_len)
+        # Full fine-tuning of a trained model, not pre-training: Stanford Alpaca's recipe
+        # (tatsu-lab/stanford_alpaca, train.py's command: learning rate 2e-5, cosine to 0,
+        # warm-up 3% of the steps, no weight decay, Hugging Face Trainer's AdamW defaults:
+        # betas 0.9/0.999, eps 1e-8, gradients clipped at 1.0), 64 rows a step, 1,000 steps.
+        config.global_batch_size = 64
+        config.num_train_steps = 1_000
+        config.steps_per_loop = 10
+        config.log_every_steps = 50
+        config.eval_every_steps = 200
+        config.checkpoint_every_steps = 500
+        config.optimizer.update(
+            name="adamw",
+            learning_rate=2e-5,
+            schedule="cosine",
+            warmup_steps=30,
+            end_learning_rate=0.0,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            clip_norm=1.0,
+        )
     if "synthetic" in parts:
         config.data.name = "synthetic"
         config.data.worker_count = 0  # Random ids cost nothing to make.

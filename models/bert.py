@@ -64,6 +64,10 @@ class BertConfig:
     scan_unroll: int = 1
 
     def __post_init__(self):
+        if self.remat not in layer_stack.REMAT_POLICIES:
+            raise ValueError(
+                f"remat={self.remat!r} is not one of {', '.join(layer_stack.REMAT_POLICIES)}"
+            )
         if self.num_heads < 1 or self.emb_dim % self.num_heads:
             raise ValueError(
                 f"emb_dim={self.emb_dim} must split evenly over num_heads={self.num_heads}"

@@ -100,6 +100,17 @@ class DecoderConfig:
     decode: bool = False
 
     def __post_init__(self):
+        # Checked where the config is read: a wrong size or policy would otherwise
+        # surface as a shape or key error deep inside the first trace.
+        for name in ("vocab_size", "num_layers", "emb_dim", "num_heads", "head_dim", "mlp_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.max_len < 1:
+            raise ValueError(f"max_len={self.max_len} must be a positive integer")
+        if self.remat not in layer_stack.REMAT_POLICIES:
+            raise ValueError(
+                f"remat={self.remat!r} is not one of {', '.join(layer_stack.REMAT_POLICIES)}"
+            )
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "

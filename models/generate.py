@@ -15,6 +15,7 @@ split over devices.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +68,13 @@ def generate(
     pad: Array,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     sampling: Sampling,
     seed: Array,
     rows: Array,
 ) -> Array:
     """The continuation of each prompt, int32 [batch, max_new_tokens]: the tokens up
-    to and including EOS, then EOS again (to be cut there).
+    to and including the first EOS, then the first EOS id again (to be cut there).
 
     Args:
       model: the decoder with ``config.decode`` True.
@@ -81,12 +82,17 @@ def generate(
       prompts: int [batch, prompt_len], each row's prompt at its end (left-padded).
       pad: int [batch]: each row's padding columns.
       max_new_tokens: tokens to generate at most.
-      eos_id: ends a row.
+      eos_id: ends a row: an id, or several (a model may stop at any of a list, as
+        Llama 3 Instruct's ``generation_config.json`` says); none: rows run to the end
+        (padded with -1, which no token is).
       sampling: how to choose each token.
       seed: a PRNG key.
       rows: int [batch]: each row's index among the caller's prompts (its key).
     """
     batch, prompt_len = prompts.shape
+    stops = tuple(eos_id) if isinstance(eos_id, Sequence) else (eos_id,)
+    fill = stops[0] if stops else -1
+    stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
     slots = prompt_len + max_new_tokens
     shapes = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((batch, slots), jnp.int32))
@@ -115,14 +121,14 @@ def generate(
         return logits[:, -1], updated["cache"]
 
     logits, cache = run(cache, prompts, 0, prompt_len)
-    out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32)
+    out = jnp.full((batch, max_new_tokens), fill, jnp.int32)
 
     def step(carry):
         i, cache, logits, out, done = carry
         keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
-        token = jnp.where(done, eos_id, choose(logits, keys, sampling))
+        token = jnp.where(done, fill, choose(logits, keys, sampling))
         out = out.at[:, i].set(token)
-        done = done | (token == eos_id)
+        done = done | jnp.isin(token, stop_ids)
         logits, cache = run(cache, token[:, None], prompt_len + i, 1)
         return i + 1, cache, logits, out, done
 

@@ -9,6 +9,12 @@ for the trainer, e.g. ``--config.eval_beam_size=4`` or ``--config.mesh.axes.mode
 Only the parameters (and model state) are read, not the optimizer state. The
 metrics also go to TensorBoard, as the run ``evaluate`` inside DIR.
 
+``--workdir`` may name a Hugging Face model directory instead (a Llama, Mistral or
+Qwen2 saved by ``transformers``, or ``trainer.export --format hf``'s): its config is
+``configs/llama.py:hf=DIR`` and ``--config.data.eval_files=FILES`` names the documents
+to evaluate it on. Its result is printed only: a model directory is not a run's, and
+gets no ``eval.jsonl``.
+
 Example:
 python -m trainer.evaluate --workdir /tmp/demo --config.eval_beam_size=4
 """
@@ -21,9 +27,15 @@ from absl import flags
 
 from trainer import console
 from trainer.command import cli, process, run_flags
+from trainer.errors import UserError
+from trainer.hf import config as hf_config
 from trainer.workdir import storage
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (python -m trainer's --workdir).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Run directory (python -m trainer's --workdir), or a Hugging Face model directory.",
+)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
 
@@ -38,6 +50,9 @@ def main(argv: list[str]) -> None:
 
     config = run_flags.config_value()
     with cli.clear_errors():
+        if hf_config.is_model_directory(_WORKDIR.value):
+            _evaluate_hugging_face(config)
+            return
         step, result = evaluation.evaluate_checkpoint(config, _WORKDIR.value, step=_STEP.value)
     metrics = result.metrics
     for sample in result.samples:
@@ -63,6 +78,30 @@ def main(argv: list[str]) -> None:
                 f"could not write the TensorBoard events into {events} ({storage.explain(e)}); "
                 "the result is in eval.jsonl and the line above"
             )
+
+
+def _evaluate_hugging_face(config) -> None:
+    """Evaluates the Hugging Face model ``--workdir`` names on ``data.eval_files`` and
+    prints the result (the module docstring)."""
+    from trainer.inference import loading  # noqa: PLC0415  (imports JAX, Flax, Orbax)
+    from trainer.training import evaluation  # noqa: PLC0415
+    from trainer.training import experiment as experiment_lib  # noqa: PLC0415
+
+    workdir = _WORKDIR.value
+    if _STEP.value is not None:
+        raise UserError(f"--step: {workdir} is a Hugging Face model, of one step")
+    if not config.data.eval_files:
+        raise UserError(
+            f"--workdir {workdir} is a Hugging Face model: name the documents to evaluate it "
+            "on, --config.data.eval_files=FILES (globs of .txt, .jsonl or .parquet)"
+        )
+    model = experiment_lib.build_model(config)
+    with console.phase(f"reading the parameters of {workdir}"):
+        params = loading.hugging_face_params(model, storage.path(workdir))
+    result = evaluation.make_evaluator(model)({"params": params})
+    print(" | ".join([workdir, *(f"{k} {v:.4g}" for k, v in result.metrics.items())]))
+    sys.stdout.flush()
+    console.say(f"(not recorded: {workdir} is a model directory, not a run's work directory)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """``python -m trainer.export --workdir DIR [--step S] --out PATH [--dtype bfloat16]
 [--format orbax|hf] [--scan_layers true|false]``.
 
-Writes only the model parameters of a training checkpoint. ``--format orbax`` (the
-default): in their logical shapes, as a plain Orbax checkpoint
+Writes only the model parameters of a training checkpoint (or of the Hugging Face
+model directory ``--workdir`` names). ``--format orbax`` (the default): in their
+logical shapes, as a plain Orbax checkpoint
 (:mod:`trainer.inference.export`); another run starts from them with
 ``--config.init_from=PATH`` (a run with the other ``model.scan_layers`` too:
 init_from converts), and ``--scan_layers`` writes a Transformer's layers stacked or
 one module per layer, whichever way it trained. ``--format hf``: a decoder run as a
 Hugging Face model directory that ``transformers`` loads
 (:mod:`trainer.inference.hf_export`).
+
+What can be refused is refused before anything is written, and the files are
+written into a temporary directory renamed ``--out`` at the end: a failed export (a
+full disk, Ctrl-C) leaves nothing at ``--out``, and ``--out`` may not lie in the
+run's ``checkpoints/``.
 
 Example:
 python -m trainer.export --workdir /tmp/demo --out /tmp/demo_params --dtype bfloat16
@@ -23,7 +29,9 @@ from trainer import console
 from trainer.command import cli, process
 from trainer.errors import UserError
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory with checkpoints/, or a Hugging Face model directory."
+)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the exported parameters to.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Exported dtype.")
@@ -58,7 +66,8 @@ def main(argv: list[str]) -> None:
             step, _ = export.export(
                 _WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value, scan_layers=scan
             )
-    print(f"exported the {_DTYPE.value} params of step {step} to {_OUT.value}")
+    source = f"step {step}" if step is not None else _WORKDIR.value
+    print(f"exported the {_DTYPE.value} params of {source} to {_OUT.value}")
 
 
 def _export_hf() -> None:
@@ -71,8 +80,9 @@ def _export_hf() -> None:
             done = hf_export.export(
                 _WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value
             )
+    source = f"step {done.step}" if done.step is not None else _WORKDIR.value
     print(
-        f"exported step {done.step} as {done.architecture} to {_OUT.value}: "
+        f"exported {source} as {done.architecture} to {_OUT.value}: "
         f"{done.total_bytes / 2**20:,.1f} MiB of {_DTYPE.value} weights in {done.shards} "
         f"safetensors shard(s), largest tensor {done.largest_bytes / 2**20:,.1f} MiB"
     )

@@ -10,7 +10,9 @@ Points (where the trainer calls :func:`point`):
 * ``loop``: a compiled loop has been dispatched and is running on the devices;
 * ``save``: inside a checkpoint save, in its background writer, while the
   step's temporary directory exists and before it is committed;
-* ``eval``: between two evaluation batches.
+* ``eval``: between two evaluation batches;
+* ``export``: inside ``trainer.export``, after the weights are written and before
+  the export is complete.
 
 Actions: ``kill`` (SIGKILL to this process), ``term`` (SIGTERM), ``int`` (one
 SIGINT, as a first Ctrl-C), ``int2`` (two SIGINTs, Ctrl-C twice), ``stop``
@@ -30,7 +32,7 @@ import time
 from trainer.errors import ConfigError
 
 VARIABLE = "WUS_FAULT"
-POINTS = ("compile", "loop", "save", "eval")
+POINTS = ("compile", "loop", "save", "eval", "export")
 ACTIONS = ("kill", "term", "int", "int2", "stop", "enospc")
 
 _passes: dict[str, int] = {}

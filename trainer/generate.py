@@ -6,9 +6,12 @@ BOS alone; a newline the model writes becomes a space and a line that is not UTF
 gets an empty continuation and a warning, so that the output keeps one line per
 input line), with a language-model run's tokenizer and the parameters of one
 checkpoint (the newest by default; the optimizer state is not read), or of an export
-(``--workdir`` names it). Greedy by default (``--temperature 0``); a positive
-temperature samples, ``--top_k`` and ``--top_p`` narrow the choice, and ``--seed``
-makes the samples repeatable. A summary (step, compile time, tokens/s) goes to stderr.
+or a Hugging Face model directory (``--workdir`` names it). Greedy by default
+(``--temperature 0``); a positive temperature samples, ``--top_k`` and ``--top_p``
+narrow the choice, and ``--seed`` makes the samples repeatable. A row ends at the
+tokenizer's EOS (any of the model's, where its ``generation_config.json`` lists
+several). Every flag is checked before the prompts are read. A summary (step,
+compile time, tokens/s) goes to stderr.
 
 Example:
 python -m trainer.generate --workdir /tmp/lm --max_new_tokens 24 < prompts.txt
@@ -26,7 +29,9 @@ from trainer.command import cli, process, run_flags
 _MAX_LINE_WARNINGS = 10  # then a count
 
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (python -m trainer's --workdir), or an export."
+    "workdir",
+    None,
+    "Run directory (python -m trainer's --workdir), an export, or a Hugging Face model directory.",
 )
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
@@ -52,21 +57,23 @@ def main(argv: list[str]) -> None:
     config = run_flags.config_value()
     if sys.stdin is None:
         cli.fail("stdin is closed: give the prompts on it, one a line (... < prompts.txt)")
-    with cli.clear_errors():  # before stdin is read: a wrong --workdir fails at once
+    settings = dict(
+        max_new_tokens=_MAX_NEW_TOKENS.value,
+        temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value,
+        top_p=_TOP_P.value,
+        seed=_SEED.value,
+        batch_size=_BATCH_SIZE.value,
+    )
+    # Before stdin is read and the model loaded: a wrong --workdir or flag fails at once.
+    with cli.clear_errors():
         loading.require_family(config, "decoder")
+        generator.check_arguments(config.model, **settings)
     lines, unreadable = translator.read_lines(sys.stdin.buffer.read())
     readable = [i for i, line in enumerate(lines) if line is not None]
     with cli.clear_errors():
         model = generator.Generator.load(_WORKDIR.value, step=_STEP.value, config=config)
-        continued, report = model.generate_with_report(
-            [lines[i] for i in readable],
-            max_new_tokens=_MAX_NEW_TOKENS.value,
-            temperature=_TEMPERATURE.value,
-            top_k=_TOP_K.value,
-            top_p=_TOP_P.value,
-            seed=_SEED.value,
-            batch_size=_BATCH_SIZE.value,
-        )
+        continued, report = model.generate_with_report([lines[i] for i in readable], **settings)
     out = [""] * len(lines)
     for i, text in zip(readable, continued, strict=True):
         out[i] = " ".join(text.splitlines())
@@ -77,13 +84,19 @@ def main(argv: list[str]) -> None:
     if len(unreadable) > _MAX_LINE_WARNINGS:
         console.warn(f"{len(unreadable) - _MAX_LINE_WARNINGS} more input lines left empty")
     how = "greedy" if _TEMPERATURE.value <= 0 else f"sampled at temperature {_TEMPERATURE.value:g}"
+    source = f"checkpoint {report.step} of" if report.step is not None else "the parameters of"
     print(
-        f"generated {report.tokens} tokens for {report.prompts} prompts with checkpoint "
-        f"{report.step if report.step is not None else '(export)'} of {_WORKDIR.value}, {how}: "
+        f"generated {_count(report.tokens, 'token')} for "
+        f"{_count(report.prompts, 'prompt')} with {source} {_WORKDIR.value}, {how}: "
         f"{report.generate_s:.2f}s ({report.tokens_per_sec:.1f} tokens/s) after "
         f"{report.compile_s:.1f}s of compiling",
         file=sys.stderr,
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 prompt``, ``2 prompts``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from conftest import REPO, command_env, run_command, start_command, tiny_command, tiny_flags
 
-from configs import ncf_16, transformer_1024
+from configs import llama, ncf_16, transformer_1024
 
 
 def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
@@ -252,6 +253,65 @@ def _cases(tmp: str) -> dict[str, tuple[list[str], str]]:
             lm("lm6", **{"model.vocab_size": 100}),
             "has 384 ids but model.vocab_size=100",
         ),
+        "a ** glob": (
+            lm("lm7", **{"data.train_files": f"{tmp}/**/*.txt"}),
+            f"data.train_files: {tmp}/**/*.txt has '**' (any depth), which is not supported",
+        ),
+        "a corpus that is a symbolic link in a loop": (
+            lm("lm8", **{"data.train_files": f"{tmp}/loop"}),
+            f"data.train_files: {tmp}/loop is a symbolic link in a loop",
+        ),
+        "a Parquet column of integers": (
+            lm("lm9", **{"data.train_files": f"{tmp}/ints.parquet"}),
+            f"data.train_files: {tmp}/ints.parquet's column 'text' holds int64, not text",
+        ),
+        "a remat policy that does not exist": (
+            lm("lm10", **{"model.remat": "most"}),
+            "model: remat='most' is not one of none, full, dots, dots_no_batch",
+        ),
+        "a negative layer count": (
+            lm("lm11", **{"model.num_layers": -2}),
+            "model: num_layers=-2 must be a positive integer",
+        ),
+        "a token store cut short": (
+            lm("lm12", **{"data.tokenized_dir": f"{tmp}/stores/cut"}),
+            f"data.tokenized_dir={tmp}/stores/cut: tokens.bin has ",
+        ),
+        "a token store without its offsets": (
+            lm("lm13", **{"data.tokenized_dir": f"{tmp}/stores/nooffsets"}),
+            f"data.tokenized_dir={tmp}/stores/nooffsets: the token store has no offsets.npy, "
+            "one of its parts: write it again",
+        ),
+        "a token store of ids past the vocabulary": (
+            lm("lm14", **{"data.tokenized_dir": f"{tmp}/stores/ids", "num_train_steps": 2}),
+            "of the token store has id 60000, past the 384 ids of its tokenizer",
+        ),
+        "per_layer on a model without layer stacks": (
+            [
+                "--config=configs/ncf_16.py:tiny" if arg.startswith("--config=") else arg
+                for arg in trainer("ncf_per_layer", **{"optimizer.update_sharding": "per_layer"})
+            ],
+            "and this model has none: use wus or fsdp (or, for a model with a model.scan_layers "
+            "key, set it true)",
+        ),
+        "an update sharding mode that does not exist": (
+            trainer("mode", **{"optimizer.update_sharding": "wsu"}),
+            "optimizer.update_sharding must be one of none, wus, fsdp, per_layer, auto, got 'wsu'",
+        ),
+        # Generation's flags, checked before the prompts are read or the model loaded.
+        "generate at temperature nan": (
+            python("trainer.generate", f"--workdir={tmp}/lmrun", "--temperature=nan"),
+            "temperature=nan is not a finite number: give one 0 (greedy) or more",
+        ),
+        "generate with top_k above the vocabulary": (
+            python("trainer.generate", f"--workdir={tmp}/lmrun", "--top_k=100000"),
+            "top_k=100000 is more than the model's 384 ids: give at most 384 (0: all)",
+        ),
+        "generate more tokens than the context holds": (
+            python("trainer.generate", f"--workdir={tmp}/lmrun", "--max_new_tokens=100000"),
+            "max_new_tokens=100000 leaves no room for a prompt in the model's context, "
+            "model.max_len=128: give at most 127",
+        ),
         # A Hugging Face model directory (tests/hf/ for the ones that work), damaged as
         # downloads and hand edits damage them.
         **_hugging_face_cases(tmp, lm),
@@ -304,6 +364,48 @@ def _hugging_face_cases(tmp: str, lm) -> dict[str, tuple[list[str], str]]:
             import_("vocab"),
             f"the tokenizer {hf}/vocab/tokenizer.json has 512 ids but model.vocab_size=300",
         ),
+        "a config.json with a negative layer count": (
+            import_("layers"),
+            f"{hf}/layers/config.json: num_hidden_layers=-2 must be a positive integer",
+        ),
+        "a llama3 rope_scaling missing a key": (
+            import_("rope"),
+            f"{hf}/rope/config.json: rope_scaling has no low_freq_factor: llama3 RoPE scaling "
+            "needs factor, low_freq_factor, high_freq_factor, original_max_position_embeddings",
+        ),
+        "a safetensors file cut short": (
+            import_("cut"),
+            f"{hf}/cut/model-00002-of-00004.safetensors is cut short: ",
+        ),
+        "a weight of integers": (
+            import_("int"),
+            "safetensors is int32: a weight is floating-point (BF16, F16, F32 or F64)",
+        ),
+        "evaluate a model directory without documents": (
+            [sys.executable, "-m", "trainer.evaluate", f"--workdir={hf}/base"],
+            f"--workdir {hf}/base is a Hugging Face model: name the documents to evaluate it on",
+        ),
+        "an export into the run's checkpoints": (
+            [
+                sys.executable,
+                "-m",
+                "trainer.export",
+                f"--workdir={tmp}/mt",
+                f"--out={tmp}/mt/checkpoints/params",
+            ],
+            f"--out {tmp}/mt/checkpoints/params is inside the run's checkpoints directory",
+        ),
+        "an export of a SentencePiece BPE tokenizer": (
+            [
+                sys.executable,
+                "-m",
+                "trainer.export",
+                f"--workdir={tmp}/bperun",
+                "--format=hf",
+                f"--out={tmp}/bpe_hf",
+            ],
+            f"--format hf: the tokenizer.model of {tmp}/bperun is a SentencePiece BPE model",
+        ),
         "an export over a directory that is not empty": (
             [
                 sys.executable,
@@ -326,13 +428,13 @@ def _damaged_models(tmp: str) -> None:
     hf = os.path.join(tmp, "hf")
     make_hf_model.make_model(os.path.join(hf, "base"), max_shard_size="200KB")
 
-    def damaged(name, remove=None, **fields):
+    def damaged(name, remove=None, drop=(), **fields):
         shutil.copytree(os.path.join(hf, "base"), os.path.join(hf, name))
         file = os.path.join(hf, name, "config.json")
         with open(file) as f:
             config = json.load(f) | fields
         with open(file, "w") as f:
-            json.dump(config, f)
+            json.dump({k: v for k, v in config.items() if k not in drop}, f)
         if remove:
             os.remove(os.path.join(hf, name, remove))
 
@@ -342,6 +444,68 @@ def _damaged_models(tmp: str) -> None:
     damaged("shard", remove="model-00002-of-00004.safetensors")
     damaged("shape", intermediate_size=192)
     damaged("vocab", vocab_size=300)
+    damaged("layers", num_hidden_layers=-2)
+    llama3 = dict(
+        rope_type="llama3", factor=8.0, high_freq_factor=4.0, original_max_position_embeddings=32
+    )
+    damaged("rope", drop=("rope_parameters",), rope_scaling=llama3 | {"rope_theta": 1e4})
+    damaged("cut")
+    shard = os.path.join(hf, "cut", "model-00002-of-00004.safetensors")
+    with open(shard, "rb") as f:
+        data = f.read()
+    with open(shard, "wb") as f:
+        f.write(data[: len(data) // 2])
+    damaged("int")
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415  (the hf extra)
+
+    with open(os.path.join(hf, "int", "model.safetensors.index.json")) as f:
+        shard = os.path.join(hf, "int", json.load(f)["weight_map"]["model.norm.weight"])
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = np.ones(tensors["model.norm.weight"].shape, np.int32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _damaged_text(tmp: str) -> None:
+    """A language model's input damaged: a Parquet column of integers, token stores cut
+    short, without their offsets or with ids past their vocabulary, and a run that
+    kept a SentencePiece BPE model."""
+    import pyarrow as pa  # noqa: PLC0415  (as the command imports it: for Parquet only)
+    import pyarrow.parquet as pq  # noqa: PLC0415
+    import sentencepiece as spm  # noqa: PLC0415
+
+    from trainer.input import token_store  # noqa: PLC0415  (NumPy, SentencePiece)
+    from trainer.input import tokenizer as tokenizer_lib  # noqa: PLC0415
+
+    pq.write_table(pa.table({"text": [1, 2, 3]}), os.path.join(tmp, "ints.parquet"))
+    with open(os.path.join(REPO, "examples", "text", "train", "part-0.txt")) as f:
+        documents = f.read().splitlines()[:500]
+    tokenizer = tokenizer_lib.train_text_tokenizer(
+        os.path.join(tmp, "spm.model"), 384, lambda: documents, description="the sample"
+    )
+    stores = os.path.join(tmp, "stores")
+    for name in ("cut", "nooffsets", "ids"):
+        token_store.write(os.path.join(stores, name), documents, tokenizer)
+    tokens = os.path.join(stores, "cut", token_store.TOKENS)
+    os.truncate(tokens, os.path.getsize(tokens) // 2)
+    os.remove(os.path.join(stores, "nooffsets", token_store.OFFSETS))
+    ids = np.memmap(os.path.join(stores, "ids", token_store.TOKENS), dtype="<u2", mode="r+")
+    ids[::20] = 60_000
+    ids.flush()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(documents),
+        model_prefix=os.path.join(tmp, "bpe"),
+        vocab_size=300,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    shutil.copy(os.path.join(tmp, "bpe.model"), os.path.join(tmp, "bperun", "tokenizer.model"))
+
+
+# What a refused command leaves: nothing at these paths (relative to the cases' root).
+LEAVES_NOTHING = {
+    "an export of a SentencePiece BPE tokenizer": "bpe_hf",
+    "an export into the run's checkpoints": "mt/checkpoints/params",
+}
 
 
 # The cases the default suite runs: one or two of each command and input family (each
@@ -353,13 +517,15 @@ DEFAULT_CASES = (
     "an empty corpus",
     "a field that changes the computation",
     "an export over a directory that is not empty",
+    "generate at temperature nan",
+    "an export of a SentencePiece BPE tokenizer",
 )
 OTHER_CASES = tuple(name for name in _cases("/tmp") if name not in DEFAULT_CASES)
 
 
 def _results(tmp_path_factory, names) -> dict:
     """The results of the cases ``names``, run 3 at a time (most of their time is
-    importing JAX)."""
+    importing JAX), each with the paths it must leave empty."""
     tmp = str(tmp_path_factory.mktemp("mistakes"))
     open(os.path.join(tmp, "afile"), "w").close()
     with open(os.path.join(tmp, "empty.txt"), "w") as f:
@@ -375,6 +541,8 @@ def _results(tmp_path_factory, names) -> dict:
     for name, config in (
         ("ncf", ncf_16.get_config("tiny")),
         ("mt", transformer_1024.get_config("tiny")),
+        ("lmrun", llama.get_config("text")),
+        ("bperun", llama.get_config("text")),
     ):
         os.makedirs(os.path.join(tmp, name))
         with open(os.path.join(tmp, name, "config.json"), "w") as f:
@@ -383,10 +551,14 @@ def _results(tmp_path_factory, names) -> dict:
     with open(os.path.join(tmp, "cut", "config.json"), "w") as f:
         f.write(transformer_1024.get_config("tiny").to_json_best_effort()[:100])
     _damaged_models(tmp)
+    _damaged_text(tmp)
     cases = {name: case for name, case in _cases(tmp).items() if name in names}
     with ThreadPoolExecutor(3) as pool:
         done = dict(zip(cases, pool.map(run_command, [c for c, _ in cases.values()]), strict=True))
-    return {name: (done[name], cases[name][1]) for name in cases}
+    return {
+        name: (done[name], cases[name][1], os.path.join(tmp, LEAVES_NOTHING.get(name, "none")))
+        for name in cases
+    }
 
 
 @pytest.fixture(scope="module")
@@ -399,8 +571,13 @@ def other_results(tmp_path_factory):
     return _results(tmp_path_factory, OTHER_CASES)
 
 
-def _is_one_error_line(result, message):
+def _is_one_error_line(result, message, leaves_nothing_at):
     assert result.returncode not in (0, None), result.stdout[-2000:] + result.stderr[-2000:]
+    # Nothing at the path the command would have written, nor a staging directory beside it.
+    assert not os.path.exists(leaves_nothing_at)
+    parent = os.path.dirname(leaves_nothing_at)
+    staged = os.listdir(parent) if os.path.isdir(parent) else []
+    assert not [n for n in staged if ".partial-" in n], staged
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
@@ -648,3 +825,55 @@ def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "whose launcher has died: waiting up to 30s for it to save and exit" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+def test_ctrl_c_while_prepare_starts_is_one_line(tmp_path, delay):
+    # Its modules import for seconds (JAX, TFDS): a Ctrl-C then was a traceback.
+    command = ["trainer.data.prepare", "--config=configs/llama.py:text", f"--out={tmp_path}/s"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command],
+        cwd=REPO,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1:] in ([], ["interrupted (Ctrl-C)"]), err[-3000:]
+
+
+def test_a_comma_list_is_taken_where_a_tuple_of_paths_is(tmp_path):
+    # text_pairs' data.train_files is a tuple; text_files' a string: both take a,b.
+    command = [sys.executable, "-m", "trainer", "--config=configs/transformer_1024.py:tiny"]
+    result = run_command(
+        [
+            *command,
+            "--config.data.name=text_pairs",
+            f"--config.data.train_files={tmp_path}/a.tsv,{tmp_path}/b*.tsv",
+            "--print_config",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"data.train_files = ('{tmp_path}/a.tsv', '{tmp_path}/b*.tsv')" in result.stdout
+
+
+def test_plotting_runs_of_different_tokenizers_says_so(tmp_path, capsys):
+    from trainer import plot
+
+    for name, model in (("a", b"one"), ("b", b"two"), ("c", b"one")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.model").write_bytes(model)
+    plot._warn_of_tokenizers([str(tmp_path / "a"), str(tmp_path / "c")])
+    assert capsys.readouterr().err == ""
+    plot._warn_of_tokenizers([str(tmp_path / n) for n in "abc"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: the runs tokenize differently: {tmp_path}/a (")
+    assert line.endswith(
+        "their loss, eval/nll and eval/perplexity are per token of different "
+        "tokenizers and do not compare"
+    )

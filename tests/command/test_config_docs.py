@@ -102,3 +102,15 @@ def test_print_config_prints_every_key_with_value_default_and_doc(tmp_path):
     assert by_key["num_train_steps"].startswith("num_train_steps = 600 (file: 20000)  # ")
     assert by_key["optimizer.b2"].startswith("optimizer.b2 = 0.98  # ")  # the file's own value
     assert all("  # " in line for line in lines[1:])
+
+
+def test_list_configs_shows_the_variants_that_take_a_value(monkeypatch):
+    # A config file's OPTIONS: its variants that take a value (configs/llama.py's hf=DIR).
+    from configs import llama
+    from trainer.command import cli
+
+    monkeypatch.setattr(
+        llama, "OPTIONS", {"hf=DIR": "a Hugging Face model directory on disk"}, raising=False
+    )
+    lines = cli.list_configs().splitlines()
+    assert "      :hf=DIR        a Hugging Face model directory on disk" in lines

@@ -103,8 +103,10 @@ def test_a_resume_with_another_tokenizer_is_one_line_and_the_run_keeps_its_own(t
     other = [*command, "--config.num_train_steps=30", "--config.data.vocab_size=300"]
     refused = run_command(other)
     assert refused.returncode != 0
-    assert refused.stderr.strip().splitlines()[-1].startswith(
-        "error: this run was trained with another tokenizer"
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: this run was trained with another tokenizer")
     )
     assert (tmp_path / "run" / "tokenizer.model").read_bytes() == kept
     accepted = run_command([*other, "--accept_new_tokenizer"])

@@ -160,7 +160,7 @@ class Checkpointer(CheckpointReader):
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(logical_state._asdict()),
+                state=ocp.args.PyTreeSave(logical_state._asdict()),
                 data=position_lib.DataStateSave(data_state),
                 config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())),
             ),
@@ -287,7 +287,10 @@ class Checkpointer(CheckpointReader):
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target),
+                        state=ocp.args.PyTreeRestore(
+                            item=target,
+                            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        ),
                         data=position_lib.DataStateRestore(),
                     ),
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -41,6 +42,19 @@ def has_checkpoints(workdir: str | epath.PathLike) -> bool:
     return (storage.path(workdir) / "checkpoints").is_dir()
 
 
+def state_handler() -> ocp.PyTreeCheckpointHandler:
+    """The handler of a checkpoint's train state: Orbax's PyTree format (what its
+    ``StandardCheckpointHandler`` writes too), without replica-parallel saving. That
+    splits each replicated array among its replicas with a jitted slice of its own,
+    compiled at a process's first save: 48 compiles, 9 s of the 12 s first save of the
+    ``:tiny`` decoder on 2 cores, more at every step of a model with hundreds of arrays.
+    Update sharding leaves the large tensors sharded, written once each anyway."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False))
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 def open_manager(
     directory: epath.Path, *, keep: int | None, async_save: bool, read_only: bool
 ) -> ocp.CheckpointManager:
@@ -60,7 +74,7 @@ def open_manager(
                 cleanup_tmp_directories=not read_only,
             ),
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
+                "state": state_handler(),
                 "data": position_lib.DataStateHandler(),
                 "config": ocp.JsonCheckpointHandler(filename=run_config.CHECKPOINT_CONFIG_FILE),
             },

@@ -124,20 +124,48 @@ def parse_flags(argv: list[str]) -> list[str]:
 
     The config files are loaded and every ``--config.a.b`` checked against them
     first: ml_collections loads them lazily, and reports a mistake as a traceback
-    or an error naming only the last part of the key.
+    or an error naming only the last part of the key. A comma-separated list given to
+    a key whose value is a tuple of strings (``data.train_files``, as text_pairs'
+    configs have it) is taken as that tuple, as a string key takes it.
     """
     overrides = config_overrides(argv)
+    configs = []
     for value in config_files(argv):
         try:
-            config = load_config(value)
+            configs.append(load_config(value))
         except UserError as e:
             fail(str(e))
-        check_keys(config, overrides)
+        check_keys(configs[-1], overrides)
+    for each in configs:
+        argv = comma_lists(each, argv)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         fail(str(e))
     return []
+
+
+def comma_lists(config: ml_collections.ConfigDict, argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config.KEY=a,b`` whose key holds a tuple (or list) of
+    strings in ``config`` written as the tuple ``('a', 'b')`` that ml_collections
+    parses (it reads a bare ``a,b`` as Python, and fails)."""
+    out = []
+    for arg in argv:
+        match = re.fullmatch(r"--config\.([\w.]+)=(.*)", arg, re.S)
+        if match and _holds_strings(config, match[1]) and match[2][:1] not in ("(", "[", "'", '"'):
+            items = tuple(part.strip() for part in match[2].split(",") if part.strip())
+            arg = f"--config.{match[1]}={items!r}"
+        out.append(arg)
+    return out
+
+
+def _holds_strings(config: ml_collections.ConfigDict, key: str) -> bool:
+    node: object = config
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, tuple | list) and all(isinstance(item, str) for item in node)
 
 
 @contextlib.contextmanager
@@ -222,7 +250,8 @@ LIST_CONFIGS = ("--list_configs",)
 
 def list_configs() -> str:
     """The configs shipped in ``configs/``: each file, the first line of its
-    docstring, and its variants (``VARIANTS``) with one line each."""
+    docstring, and its variants (``VARIANTS``, then those that take a value:
+    ``OPTIONS``, e.g. ``{"hf=DIR": "..."}``) with one line each."""
     import configs  # noqa: PLC0415  (only for the listing: configs import nothing heavy)
 
     lines = ["configs (python -m trainer --config configs/FILE.py[:VARIANT[,VARIANT]]):"]
@@ -234,7 +263,8 @@ def list_configs() -> str:
         module = importlib.import_module(f"configs.{stem}")
         summary = (module.__doc__ or "").strip().splitlines()[0]
         lines += ["", f"  configs/{name}", f"      {_plain(summary)}"]
-        lines += [f"      :{v:<14}{text}" for v, text in getattr(module, "VARIANTS", {}).items()]
+        variants = {**getattr(module, "VARIANTS", {}), **getattr(module, "OPTIONS", {})}
+        lines += [f"      :{v:<14}{text}" for v, text in variants.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -255,7 +255,12 @@ def run(main: Callable[[list[str]], None], *, flags_parser=cli.parse_flags) -> N
     Ctrl-C (in a command without the trainer's stop handling) ends it with the
     shell's code 130 and one line, not a traceback. ``--help`` prints the
     command's help (:func:`trainer.command.cli.help_text`) and exits 0 before
-    any other flag is checked."""
+    any other flag is checked. A command whose module calls
+    :func:`trainer.command.signals.quiet_start` first ends a Ctrl-C while it imports
+    in one line too; from here on a Ctrl-C is Python's KeyboardInterrupt again."""
+    from trainer.command import signals  # noqa: PLC0415  (imports nothing heavy)
+
+    signals.end_quiet_start()
     if cli.help_requested(sys.argv):
         command = sys.modules["__main__"]
         spec = getattr(command, "__spec__", None)

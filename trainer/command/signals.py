@@ -175,6 +175,27 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _interrupted_while_starting(signum, frame) -> None:
+    _say("interrupted (Ctrl-C)")
+    os._exit(EXIT_INTERRUPTED)  # nothing is written yet: no cleanup to run
+
+
+def quiet_start() -> None:
+    """For a command without the trainer's stop handling: a Ctrl-C while its modules
+    import (seconds: JAX, TFDS) ends the process at once with one line and code 130,
+    instead of an ImportError-laden traceback. :func:`trainer.command.process.run`
+    puts Python's own KeyboardInterrupt back before the command's work starts (which
+    then has its ``finally`` blocks to run)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+def end_quiet_start() -> None:
+    """Puts Python's Ctrl-C (KeyboardInterrupt) back after :func:`quiet_start`."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 _installed: tuple[Signals, Callable[[], None]] | None = None
 
 

@@ -82,7 +82,7 @@ def read_batches(config, first: int, last: int) -> tuple[dict[str, np.ndarray], 
 
 def main(argv: list[str]) -> None:
     cli.reject_arguments(argv)
-    process.setup()
+    process.setup(console_stream=sys.stderr)  # stdout is the batches'; what it does, stderr
     first, last = step_range(_STEPS.value or cli.fail("--steps is required (A:B)"))
     with cli.clear_errors():
         config = run_tokenizer_config(run_flags.config_value(), _WORKDIR.value)

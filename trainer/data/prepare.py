@@ -18,14 +18,23 @@ Example:
 python -m trainer.data.prepare --config configs/transformer_1024.py:tiny --eval_text val.txt
 """
 
+import sys
 import time
 
-from absl import flags
-from ml_collections import config_flags
+if __name__ == "__main__":
+    try:  # a Ctrl-C while the modules below import (seconds): one line, code 130
+        from trainer.command import signals
 
-from trainer import console, tasks
-from trainer.command import cli, process
-from trainer.workdir import storage
+        signals.quiet_start()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from trainer import console, tasks  # noqa: E402
+from trainer.command import cli, process  # noqa: E402
+from trainer.workdir import storage  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config: path[:variant].")
 _EVAL_TEXT = flags.DEFINE_string(

@@ -33,13 +33,7 @@ from trainer.parallel.rules import param_name
 def is_model_directory(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a Hugging Face model directory (``config.json`` naming
     ``architectures``), not a run's or an export (whose ``config.json`` is ours)."""
-    file = os.path.join(os.fspath(path), hf_config.FILE)
-    if not os.path.isfile(file):
-        return False
-    try:
-        return "architectures" in hf_config.read(path)
-    except ConfigError:
-        return False
+    return hf_config.is_model_directory(path)
 
 
 def check_model(directory: str | os.PathLike, model) -> None:
@@ -59,6 +53,29 @@ def check_model(directory: str | os.PathLike, model) -> None:
                 f"init_from={directory}: its config.json gives {field}={hf.get(field, value)!r}"
                 f" but this run has model.{key}={mine!r} (build the model from it: "
                 f"configs/llama.py:hf={directory})"
+            )
+
+
+def check_tensors(
+    what: str, reader: safetensors_files.Reader, tensors: dict[str, names_lib.Tensor]
+) -> None:
+    """Raises ConfigError naming the first of ``tensors`` (ours -> theirs) that the
+    files lack, or hold in another shape than ``config.json`` gives it, or in a dtype
+    that is not floating-point (an integer norm scale would be taken as its values)."""
+    for ours, tensor in tensors.items():
+        entry = reader.entries.get(tensor.name)
+        if entry is None:
+            raise ConfigError(f"{what}: no tensor {tensor.name} in its safetensors")
+        file = os.path.basename(entry.file)
+        if entry.shape != tensor.shape:
+            raise ConfigError(
+                f"{what}: tensor {tensor.name} in {file} has shape {entry.shape}, but "
+                f"config.json makes it {tensor.shape} ({ours})"
+            )
+        if not entry.floating:
+            raise ConfigError(
+                f"{what}: tensor {tensor.name} in {file} is {entry.dtype.name}: a weight is "
+                "floating-point (BF16, F16, F32 or F64); this file is damaged or quantized"
             )
 
 
@@ -106,20 +123,13 @@ def load(
 
     Raises:
       ConfigError: a field of ``config.json`` this run cannot build, a missing shard,
-        a tensor missing or of another shape than ``config.json`` says.
+        a file cut short, a tensor missing, of another shape than ``config.json``
+        says, or not floating-point.
     """
     check_model(directory, model)
     reader = safetensors_files.Reader(directory)
     tensors = names_lib.per_layer(model)
-    for ours, tensor in tensors.items():
-        entry = reader.entries.get(tensor.name)
-        if entry is None:
-            raise ConfigError(f"init_from={directory}: no tensor {tensor.name} in its safetensors")
-        if entry.shape != tensor.shape:
-            raise ConfigError(
-                f"init_from={directory}: tensor {tensor.name} in {os.path.basename(entry.file)}"
-                f" has shape {entry.shape}, but config.json makes it {tensor.shape} ({ours})"
-            )
+    check_tensors(f"init_from={directory}", reader, tensors)
     layouts = traverse_util.flatten_dict(
         jax.tree.map(lambda x: x, plan.layouts, is_leaf=plan_lib.is_layout), sep="/"
     )

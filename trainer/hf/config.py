@@ -151,6 +151,30 @@ def read(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+def is_model_directory(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (a ``config.json`` naming
+    ``architectures``), not a run's or an Orbax export's (whose ``config.json`` is ours)."""
+    if "://" in os.fspath(path) or not os.path.isfile(os.path.join(os.fspath(path), FILE)):
+        return False
+    try:
+        return "architectures" in read(path)
+    except ConfigError:
+        return False
+
+
+def run_config(directory: str | os.PathLike):
+    """The run config of a Hugging Face model directory: ``configs/llama.py:hf=DIR``
+    (its ``config.json`` as ``config.model``, its weights, its tokenizer), for the
+    commands that take one where they take a run (generate, evaluate, export).
+
+    Raises:
+      ConfigError: naming the first field of its ``config.json`` that cannot be mapped.
+    """
+    from configs import llama  # noqa: PLC0415  (configs import this module: not at its top)
+
+    return llama.get_config(f"hf={os.fspath(directory)}")
+
+
 def read_model_keys(directory: str | os.PathLike) -> dict[str, Any]:
     """:func:`model_keys` of the ``config.json`` in ``directory`` (errors name the file).
 
@@ -182,25 +206,66 @@ def architecture(hf: dict[str, Any], path: str = FILE) -> str:
     return ARCHITECTURES[names[0]]
 
 
+def _number(hf: dict[str, Any], field: str, path: str, kind: type, low: float, default=None):
+    """``hf[field]`` (``default`` where it is missing or null), checked: a number of
+    ``kind`` (an int for ``int``) of at least ``low`` (above 0 for a float ``low`` of 0).
+
+    Raises:
+      ConfigError: naming the file, the field and its value.
+    """
+    value = hf.get(field)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"{path}: {field} is missing (a Llama-family config.json gives it)")
+        return default
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
+        numeric = isinstance(value, float) and value.is_integer()
+    if not numeric or value < low or (kind is float and low == 0 and value <= 0):
+        what = "a positive" if low > 0 or kind is float else "a non-negative"
+        noun = "integer" if kind is int else "number"
+        raise ConfigError(f"{path}: {field}={json.dumps(value)} must be {what} {noun}")
+    return kind(value)
+
+
+_LLAMA3_KEYS = {
+    "factor": (float, 0.0),
+    "low_freq_factor": (float, 0.0),
+    "high_freq_factor": (float, 0.0),
+    "original_max_position_embeddings": (int, 1),
+}
+
+
 def _rope(hf: dict[str, Any], path: str) -> dict[str, Any]:
     """The RoPE keys of ``config.model``: ``rope_parameters`` (transformers 5) or
     ``rope_theta`` with ``rope_scaling`` (earlier)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10_000.0))
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    keys: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": 0.0}
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(field) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path}: {field}={json.dumps(params)} is not an object")
+    theta = _number(
+        params if "rope_theta" in params else hf, "rope_theta", path, float, 0.0, 10_000.0
+    )
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys: dict[str, Any] = {"rope_theta": theta, "rope_scaling_factor": 0.0}
     if kind == "default":
         return keys
-    if kind == "llama3":
-        return keys | {
-            "rope_scaling_factor": float(params["factor"]),
-            "rope_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_original_context": int(params["original_max_position_embeddings"]),
-        }
-    field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
-    _refuse(path, field, hf.get(field), f"RoPE type {kind!r}: this decoder has llama3's only")
-    return keys
+    if kind != "llama3":
+        _refuse(path, field, params, f"RoPE type {kind!r}: this decoder has llama3's only")
+    missing = [key for key in _LLAMA3_KEYS if params.get(key) is None]
+    if missing:
+        raise ConfigError(
+            f"{path}: {field} has no {', '.join(missing)}: llama3 RoPE scaling needs "
+            f"{', '.join(_LLAMA3_KEYS)}"
+        )
+    where = f"{path}: {field}"
+    scaling = {key: _number(params, key, where, *spec) for key, spec in _LLAMA3_KEYS.items()}
+    return keys | {
+        "rope_scaling_factor": scaling["factor"],
+        "rope_low_freq_factor": scaling["low_freq_factor"],
+        "rope_high_freq_factor": scaling["high_freq_factor"],
+        "rope_original_context": scaling["original_max_position_embeddings"],
+    }
 
 
 def model_keys(hf: dict[str, Any], path: str = FILE) -> dict[str, Any]:
@@ -208,7 +273,8 @@ def model_keys(hf: dict[str, Any], path: str = FILE) -> dict[str, Any]:
     compute what ``hf`` describes.
 
     Raises:
-      ConfigError: naming the first field (and its value) that cannot be mapped.
+      ConfigError: naming the file and the first field (and its value) that cannot
+        be mapped: refused, missing, of the wrong type or out of range.
     """
     arch = architecture(hf, path)
     unknown = sorted(set(hf) - set(MAPPED) - NO_EFFECT)
@@ -230,39 +296,59 @@ def model_keys(hf: dict[str, Any], path: str = FILE) -> dict[str, Any]:
         _refuse(path, "quantization_config", hf["quantization_config"], "quantized weights")
     if arch == "qwen2" and hf.get("use_sliding_window"):
         _refuse(path, "use_sliding_window", True, "sliding windows on some layers only")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    kv_heads = hf.get("num_key_value_heads") or heads
+    sizes = {
+        key: _number(hf, field, path, int, 1)
+        for field, key in (
+            ("vocab_size", "vocab_size"),
+            ("num_hidden_layers", "num_layers"),
+            ("hidden_size", "emb_dim"),
+            ("num_attention_heads", "num_heads"),
+            ("intermediate_size", "mlp_dim"),
+        )
+    }
+    heads = sizes["num_heads"]
+    head_dim = _number(hf, "head_dim", path, int, 1, sizes["emb_dim"] // heads or None)
+    kv_heads = _number(hf, "num_key_value_heads", path, int, 1, heads)
     if heads % kv_heads:
         _refuse(
             path, "num_key_value_heads", kv_heads, f"it must divide num_attention_heads={heads}"
         )
-    window = hf.get("sliding_window") if arch == "mistral" else None
+    window = _number(hf, "sliding_window", path, int, 0, 0) if arch == "mistral" else 0
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{path}: tie_word_embeddings={json.dumps(tie)} must be true or false")
     return {
         "name": "decoder",
-        "vocab_size": int(hf["vocab_size"]),
-        "num_layers": int(hf["num_hidden_layers"]),
-        "emb_dim": int(hf["hidden_size"]),
-        "num_heads": int(heads),
-        "num_kv_heads": int(kv_heads),
-        "head_dim": int(head_dim),
-        "mlp_dim": int(hf["intermediate_size"]),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        **sizes,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": _number(hf, "rms_norm_eps", path, float, 0.0, 1e-6),
         "qkv_bias": arch == "qwen2",
         "mlp_activation": "swiglu",
         "parallel_block": False,
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "max_len": int(hf.get("max_position_embeddings", 2048)),
-        "init_std": float(hf.get("initializer_range", 0.02)),
-        "sliding_window": int(window or 0),
+        "tie_embeddings": tie,
+        "max_len": _number(hf, "max_position_embeddings", path, int, 1, 2048),
+        "init_std": _number(hf, "initializer_range", path, float, 0.0, 0.02),
+        "sliding_window": window,
         **_rope(hf, path),
     }
 
 
-def hf_config(model: Any, *, bos_id: int | None, eos_id: int | None, dtype: str) -> dict[str, Any]:
+def hf_config(
+    model: Any,
+    *,
+    bos_id: int | None,
+    eos_id: int | None,
+    dtype: str,
+    pad_id: int | None = None,
+) -> dict[str, Any]:
     """The ``config.json`` of our ``config.model`` (a decoder's): ``LlamaForCausalLM``,
     or ``Qwen2ForCausalLM`` where the query, key and value have biases, or
     ``MistralForCausalLM`` with a sliding window.
+
+    RoPE is written twice: ``rope_parameters`` (transformers 5) and the older
+    ``rope_theta`` with ``rope_scaling``, which earlier readers (transformers 4, vLLM,
+    llama.cpp's converter) read instead.
 
     Raises:
       ConfigError: a model these architectures cannot hold (a parallel block, a ReLU
@@ -306,9 +392,14 @@ def hf_config(model: Any, *, bos_id: int | None, eos_id: int | None, dtype: str)
         "rms_norm_eps": float(model.rms_norm_eps),
         "tie_word_embeddings": bool(model.tie_embeddings),
         "rope_parameters": rope,
+        "rope_theta": float(model.rope_theta),
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}
+        if model.rope_scaling_factor > 0
+        else None,
         "attention_dropout": 0.0,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
         "dtype": dtype,
         "use_cache": True,
     }
@@ -321,6 +412,14 @@ def hf_config(model: Any, *, bos_id: int | None, eos_id: int | None, dtype: str)
     return config
 
 
-def generation_config(*, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """``generation_config.json``: the special ids ``generate`` stops and starts at."""
-    return {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
+def generation_config(
+    *, bos_id: int | None, eos_id: int | list[int] | None, pad_id: int | None = None
+) -> dict[str, Any]:
+    """``generation_config.json``: the special ids ``generate`` starts at, stops at (one
+    or a list) and pads with."""
+    return {
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "do_sample": False,
+    }

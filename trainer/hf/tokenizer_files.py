@@ -19,24 +19,30 @@ from trainer.input import tokenizer as tokenizer_lib
 
 
 def files(tokenizer: tokenizer_lib.TextTokenizer) -> dict[str, bytes]:
-    """The Hugging Face tokenizer files of a run's ``tokenizer`` (name -> bytes)."""
+    """The Hugging Face tokenizer files of a run's ``tokenizer`` (name -> bytes; not
+    ``generation_config.json``, which the export writes itself).
+
+    Raises:
+      ConfigError: no tokenizer, or one this module cannot write (a SentencePiece
+        BPE model): before anything is written.
+    """
     if "tokenizer.json" in tokenizer.files:
         return {
             name: tokenizer.files[name]
             for name in tokenizer_lib.HF_FILES
-            if name in tokenizer.files
+            if name in tokenizer.files and name != tokenizer_lib.GENERATION_FILE
         }
     if tokenizer_lib.SPM_FILE in tokenizer.files:
-        return from_sentencepiece(tokenizer.files[tokenizer_lib.SPM_FILE])
+        return from_sentencepiece(tokenizer.files[tokenizer_lib.SPM_FILE], tokenizer.source)
     raise ConfigError("--format hf: the run kept no tokenizer to export")
 
 
-def from_sentencepiece(model_proto: bytes) -> dict[str, bytes]:
+def from_sentencepiece(model_proto: bytes, source: str = "the run") -> dict[str, bytes]:
     """``tokenizer.json`` and ``tokenizer_config.json`` of a unigram SentencePiece model.
 
     Raises:
-      ConfigError: a BPE SentencePiece model (Llama 2's): export it with its own
-        ``tokenizer.json``, which transformers' converter writes.
+      ConfigError: a SentencePiece model of another kind (Llama 2's BPE): give the
+        run the ``tokenizer.json`` that transformers' converter writes for it.
     """
     import tokenizers  # noqa: PLC0415  (only for exports)
     from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
@@ -45,9 +51,12 @@ def from_sentencepiece(model_proto: bytes) -> dict[str, bytes]:
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_proto)
     if proto.trainer_spec.model_type != proto.trainer_spec.UNIGRAM:
+        kind = proto.trainer_spec.ModelType.Name(proto.trainer_spec.model_type)
         raise ConfigError(
-            "--format hf: this SentencePiece model is not a unigram one; give the run a "
-            "tokenizer.json instead (data.tokenizer)"
+            f"--format hf: the tokenizer.model of {source} is a SentencePiece {kind} model, "
+            "which this export writes no tokenizer.json for (unigram only); nothing was "
+            "written. Train the run with the model's tokenizer.json (data.tokenizer: "
+            "AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes one)"
         )
     vocab = [(piece.piece, piece.score) for piece in proto.pieces]
     tokenizer = tokenizers.Tokenizer(

@@ -15,6 +15,10 @@ the run's directory. ``--format hf`` writes a Hugging Face model directory inste
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -26,24 +30,75 @@ from etils import epath
 from flax import traverse_util
 
 from models import stacking
-from trainer import tasks
+from trainer import faults, tasks
 from trainer.checkpoint.reader import CheckpointError, CheckpointReader
 from trainer.errors import ConfigError
+from trainer.inference import loading
 from trainer.workdir import run_config, storage
 
 
-def check_destination(out: str | epath.PathLike) -> epath.Path:
-    """``out`` as a path, if nothing is there yet (or an empty directory).
+def check_destination(out: str | epath.PathLike, workdir: epath.Path | None = None) -> epath.Path:
+    """``out`` as a path, if nothing is there yet (or an empty directory) and it is not
+    inside ``workdir``'s checkpoints (which the run's checkpoint manager owns: its
+    cleanup would delete an export there, or take it for a checkpoint).
 
     Raises:
-      ConfigError: ``out`` exists and is not an empty directory.
+      ConfigError: ``out`` exists and is not an empty directory, or lies in the
+        checkpoints directory.
     """
     destination = storage.path(out)
+    if workdir is not None:
+        checkpoints = storage.path(workdir) / "checkpoints"
+        if destination == checkpoints or checkpoints in destination.parents:
+            raise ConfigError(
+                f"--out {destination} is inside the run's checkpoints directory {checkpoints}, "
+                "which the run manages (it deletes what it does not keep): write the export "
+                "elsewhere"
+            )
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise ConfigError(
             f"--out {destination} already exists and is not empty: choose a new path or remove it"
         )
     return destination
+
+
+@contextlib.contextmanager
+def staging(destination: epath.Path) -> Iterator[epath.Path]:
+    """A directory to write an export into, renamed ``destination`` when the block
+    ends without an error, removed with all it holds when it raises: a failed export
+    (a full disk, a refusal, Ctrl-C) leaves nothing at ``destination``. An object
+    store has no rename of directories: there the export is written in place (its
+    ``config.json`` last: without it, a directory is not taken for an export).
+
+    Raises:
+      PathError: a file-system error of the destination (a full disk, permissions),
+        naming it.
+    """
+    if storage.is_remote(destination):
+        yield destination
+        return
+    partial = destination.parent / f".{destination.name}.partial-{os.getpid()}"
+    try:
+        storage.make_directory(destination.parent, "--out")
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+        yield partial
+        if destination.exists():
+            destination.rmdir()  # empty (check_destination): replaced by the export
+        os.replace(partial, destination)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if e.errno not in storage.PATH_ERRNOS:
+            raise
+        if not e.filename or str(partial) in str(e.filename):  # the export's own write
+            raise storage.PathError(
+                f"--out {storage.explain(e, destination)} (nothing was left there)"
+            ) from None
+        raise storage.PathError(storage.explain(e)) from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def read_params(
@@ -80,7 +135,9 @@ def export(
     dtype: str = "float32",
     scan_layers: bool | None = None,
 ) -> tuple[int, ml_collections.ConfigDict]:
-    """Exports the params of checkpoint ``step`` (default latest).
+    """Exports the params of checkpoint ``step`` (default latest), or of the Hugging
+    Face model directory ``workdir``, into a directory renamed ``out`` at the end
+    (:func:`staging`).
 
     Args:
       scan_layers: write the layers as stacks (True: ``encoder_layers/...`` leaves of
@@ -88,33 +145,47 @@ def export(
         trained (:mod:`models.stacking`); None: as trained.
 
     Returns:
-      ``(step, config)``: the checkpoint's step and the config written beside the
-      parameters (the run's, with ``model.scan_layers`` as written).
+      ``(step, config)``: the checkpoint's step (None from a Hugging Face model
+      directory: its config is ``configs/llama.py:hf=DIR``) and the config written
+      beside the parameters (the run's, with ``model.scan_layers`` as written).
 
     Raises:
       CheckpointError: no such checkpoint, or it cannot be read.
       ConfigError: ``out`` exists, ``workdir`` is not a directory, or the model has
         no layer stacks to convert.
     """
-    destination = check_destination(out)
-    directory = storage.workdir(workdir)
-    step, params, config = read_params(directory, step)
+    destination = check_destination(out, workdir)
+    if loading.is_hugging_face(storage.path(workdir)):
+        directory = storage.path(workdir)
+        trained = loading.load(directory, family="decoder", step=step)
+        step, params, config = None, trained.params, trained.config
+    else:
+        directory = storage.workdir(workdir)
+        step, params, config = read_params(directory, step)
     if scan_layers is not None:
         params, config = relayout(params, config, scan_layers)
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-    saver = ocp.StandardCheckpointer()
-    saver.save(destination, params, force=True)
-    saver.wait_until_finished()
-    storage.write_atomically(destination / run_config.FILE, config.to_json_best_effort(indent=2))
-    copy_run_files(directory, destination, config)
+    with staging(destination) as partial:
+        save(partial, params, config, {n: (directory / n) for n in tasks.run_file_names(config)})
     return step, config
 
 
-def copy_run_files(directory: epath.Path, destination: epath.Path, config) -> None:
-    """Copies the files the run keeps for later use (its tokenizer) into ``destination``."""
-    for name in tasks.run_file_names(config):
-        if (kept := directory / name).exists():
+def save(
+    destination: epath.Path,
+    params: Any,
+    config: ml_collections.ConfigDict,
+    run_files: dict[str, epath.Path],
+) -> None:
+    """Writes an export: ``params`` as a plain Orbax checkpoint, then the run files
+    that exist (name -> where they are) and ``config.json`` last."""
+    saver = ocp.StandardCheckpointer()
+    saver.save(destination, params, force=True)
+    saver.wait_until_finished()
+    faults.point("export")
+    for name, kept in run_files.items():
+        if kept.exists():
             storage.write_atomically(destination / name, kept.read_bytes())
+    storage.write_atomically(destination / run_config.FILE, config.to_json_best_effort(indent=2))
 
 
 def relayout(

@@ -1,8 +1,8 @@
 """A trained language model as a Python object: :class:`Generator`.
 
 Load one from a run's work directory (a checkpoint's parameters; the optimizer state
-is not read) or from an export (``python -m trainer.export``), then continue
-prompts::
+is not read), from an export (``python -m trainer.export``) or from a Hugging Face
+model directory, then continue prompts::
 
     from trainer import Generator
 
@@ -11,9 +11,17 @@ prompts::
     model.generate(prompts, temperature=0.8, top_p=0.95, seed=1)   # sampled
 
 ``python -m trainer.generate`` is this class over stdin and stdout. Prompts are
-tokenized (``BOS`` first, as the run's documents begin), sorted by length and run
-``batch_size`` at a time, left-padded to a power of two and split over the
-data-parallel devices (one compiled program per length, kept for the next call).
+tokenized (``BOS`` first where the tokenizer adds one, as ``transformers`` does),
+sorted by length and run ``batch_size`` at a time, all left-padded to one width (a
+power of two, at least :data:`MIN_WIDTH`: prompts of up to 64 tokens share one
+compiled program, kept for the next call) and split over the data-parallel devices.
+A row ends at any of the tokenizer's stop ids (``generation_config.json``'s EOS list
+where the model has one).
+
+Every argument is checked before anything runs: its type (an int where a count is
+meant: ``4.5`` or ``"4"`` is refused, not rounded or compared as text), its range
+(a finite temperature, ``top_k`` within the vocabulary, ``max_new_tokens`` within the
+context), each with one :class:`~trainer.errors.UserError` naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
+import numbers
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -33,7 +44,7 @@ from etils import epath
 
 from models import decoder, generate
 from trainer import console, tasks
-from trainer.errors import ConfigError, UserError
+from trainer.errors import UserError
 from trainer.inference import loading
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.parallel import batches
@@ -58,6 +69,11 @@ class Report:
         return self.tokens / max(self.generate_s, 1e-9)
 
 
+MIN_WIDTH = 64  # the narrowest prompt program: one compile for all short prompts
+# jax.random.PRNGKey keeps a seed's low 32 bits (without x64): 2**32 would be seed 0.
+_SEEDS = 2**32
+
+
 class Generator:
     """A trained decoder with its tokenizer, on this process's devices.
 
@@ -74,6 +90,7 @@ class Generator:
         eval_dtype = jnp.dtype(trained.config.eval_dtype)
         self._model = decoder.Decoder(dataclasses.replace(cfg, decode=True, dtype=eval_dtype))
         self.max_len = cfg.max_len
+        self.vocab_size = cfg.vocab_size
         self._compiled: dict = {}
 
     @classmethod
@@ -84,15 +101,23 @@ class Generator:
         step: int | None = None,
         config: ml_collections.ConfigDict | None = None,
     ) -> Generator:
-        """The model of a run's work directory (checkpoint ``step``, default the newest)
-        or of an export.
+        """The model of a run's work directory (checkpoint ``step``, default the newest),
+        of an export or of a Hugging Face model directory.
 
         Raises:
-          ConfigError: not a decoder run, or a run of more than one process.
+          ConfigError: not a decoder, or a run of more than one process.
           CheckpointError: no such checkpoint, or it cannot be read.
-          UserError: ``path`` is neither a work directory nor an export.
+          UserError: ``path`` is none of these (a file, say), or ``step`` is not an int.
         """
+        if isinstance(path, str | bytes) and not path:
+            raise UserError("Generator.load: the path is empty: give a run's work directory")
+        if not isinstance(path, str | os.PathLike):
+            raise UserError(
+                f"Generator.load: {type(path).__name__} {path!r:.40} is not a path: give a "
+                "run's work directory, an export or a Hugging Face model directory"
+            )
         directory = storage.path(path)
+        loading.check_step(step)
         config = loading.read_config(directory) if config is None else config
         loading.require_family(config, "decoder")
         files = {
@@ -125,9 +150,9 @@ class Generator:
           batch_size: prompts generated together (rounded up to the devices).
 
         Raises:
-          UserError: ``prompts`` is one string or holds something else than strings, a
-            prompt does not fit the model's context with ``max_new_tokens``, or a
-            sampling setting out of range.
+          UserError: ``prompts`` is one string (or a file) or holds something else than
+            strings, a prompt does not fit the model's context with ``max_new_tokens``,
+            or an argument of another type than its default's or out of range.
         """
         return self.generate_with_report(
             prompts,
@@ -152,11 +177,21 @@ class Generator:
     ) -> tuple[list[str], Report]:
         """:meth:`generate`, and a :class:`Report` of what it did."""
         prompts = loading.texts(prompts, "prompts")
-        sampling = generate.Sampling(temperature, top_k, top_p)
-        _check(sampling, max_new_tokens, batch_size)
+        sampling = check_arguments(
+            self.config.model,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            batch_size=batch_size,
+        )
         encoded = [self._encode(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
         rows = self._rows(batch_size)
+        # One width for the call: the longest prompt's (its chunks share one program).
+        longest = max((len(ids) for ids in encoded), default=1)
+        width = min(_bucket(longest), self.max_len - max_new_tokens)
         out: list[str] = [""] * len(prompts)
         produced, compile_s = 0, 0.0
         start = time.perf_counter()
@@ -166,7 +201,6 @@ class Generator:
         ):
             for first in range(0, len(order), rows):
                 chunk = order[first : first + rows]
-                width = _bucket(len(encoded[chunk[0]]))
                 tokens, pad, index = _left_padded([encoded[i] for i in chunk], chunk, rows, width)
                 before = time.perf_counter()
                 program = self._program(rows, width, max_new_tokens, sampling)
@@ -179,7 +213,7 @@ class Generator:
                     )
                 )
                 for r, i in enumerate(chunk):
-                    ids = _until_eos(result[r], self.tokenizer.eos_id)
+                    ids = _until_stop(result[r], self.tokenizer.stop_ids)
                     produced += len(ids)
                     out[i] = self.tokenizer.decode(ids)
                 progress.update(len(chunk))
@@ -190,6 +224,10 @@ class Generator:
     def _encode(self, index: int, prompt: str, max_new_tokens: int) -> list[int]:
         bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
         ids = bos + self.tokenizer.encode(prompt)
+        if not ids:
+            raise UserError(
+                f"prompt {index} is empty and the tokenizer adds no BOS: nothing to continue"
+            )
         if len(ids) + max_new_tokens > self.max_len:
             raise UserError(
                 f"prompt {index} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} "
@@ -219,7 +257,7 @@ class Generator:
                     generate.generate,
                     self._model,
                     max_new_tokens=max_new_tokens,
-                    eos_id=self.tokenizer.eos_id,
+                    eos_id=tuple(self.tokenizer.stop_ids),
                     sampling=sampling,
                 )
             )
@@ -243,19 +281,73 @@ class Generator:
         )
 
 
-def _check(sampling: generate.Sampling, max_new_tokens: int, batch_size: int) -> None:
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} and batch_size={batch_size}: >= 1")
-    if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
-        raise ConfigError(
-            f"temperature={sampling.temperature} must be >= 0, top_k={sampling.top_k} >= 0 "
-            f"and top_p={sampling.top_p} in (0, 1]"
+def check_arguments(
+    model: ml_collections.ConfigDict,
+    *,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    batch_size,
+) -> generate.Sampling:
+    """The sampling settings of :meth:`Generator.generate`'s arguments for the decoder
+    ``model`` (``config.model``), each checked (the module docstring): a command checks
+    its flags with it before it reads its input.
+
+    Raises:
+      UserError: naming the first argument of a wrong type or out of range.
+    """
+    max_len, vocab_size = model.max_len, model.vocab_size
+    _integer("max_new_tokens", max_new_tokens, 1)
+    if max_new_tokens >= max_len:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context, model.max_len={max_len}: give at most {max_len - 1}"
         )
+    _integer("batch_size", batch_size, 1)
+    _real("temperature", temperature, "0 (greedy) or more")
+    if temperature < 0:
+        raise UserError(f"temperature={temperature} must be 0 (greedy) or more")
+    _integer("top_k", top_k, 0)
+    if top_k > vocab_size:
+        raise UserError(
+            f"top_k={top_k} is more than the model's {vocab_size} ids: give at most "
+            f"{vocab_size} (0: all)"
+        )
+    _real("top_p", top_p, "in (0, 1]")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top_p={top_p} must be in (0, 1] (1: all tokens)")
+    _integer("seed", seed, 0)
+    if seed >= _SEEDS:
+        raise UserError(
+            f"seed={seed} is too large: give one below 2**32 (larger seeds would repeat "
+            "smaller ones' samples)"
+        )
+    return generate.Sampling(float(temperature), int(top_k), float(top_p))
+
+
+def _integer(name: str, value, low: int) -> None:
+    """Raises UserError unless ``value`` is an int (not a bool) of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UserError(
+            f"{name}={value!r:.40} is {type(value).__name__}: give an int of at least {low}"
+        )
+    if value < low:
+        raise UserError(f"{name}={value} must be at least {low}")
+
+
+def _real(name: str, value, expected: str) -> None:
+    """Raises UserError unless ``value`` is a finite real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserError(f"{name}={value!r:.40} is {type(value).__name__}: give a number {expected}")
+    if not math.isfinite(value):
+        raise UserError(f"{name}={value} is not a finite number: give one {expected}")
 
 
 def _bucket(length: int) -> int:
-    """The padded prompt length: the next power of two, at least 8."""
-    return max(8, 1 << (length - 1).bit_length())
+    """The padded prompt length: the next power of two, at least :data:`MIN_WIDTH`."""
+    return max(MIN_WIDTH, 1 << (length - 1).bit_length())
 
 
 def _left_padded(prompts: list[list[int]], indices: list[int], rows: int, width: int):
@@ -271,10 +363,11 @@ def _left_padded(prompts: list[list[int]], indices: list[int], rows: int, width:
     return tokens, pad, index
 
 
-def _until_eos(ids: np.ndarray, eos: int) -> list[int]:
+def _until_stop(ids: np.ndarray, stops: tuple[int, ...]) -> list[int]:
+    """The ids before the first stop id (or -1, what a row without stop ids is padded with)."""
     out = []
     for token in ids.tolist():
-        if token == eos:
+        if token in stops or token < 0:
             break
         out.append(token)
     return out

@@ -32,7 +32,7 @@ import numpy as np
 from etils import epath
 
 from trainer import console
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 from trainer.inference import loading
 from trainer.input import translation as data_lib
 from trainer.input.tokenizer import EOS_ID
@@ -125,6 +125,7 @@ class Translator:
           UserError: ``path`` is neither a work directory nor an export.
         """
         directory = storage.path(path)
+        loading.check_step(step)
         config = loading.read_config(directory) if config is None else config
         require_translation_run(config)
         # The vocabulary first: a run without one fails before its parameters are read.
@@ -148,7 +149,9 @@ class Translator:
           batch_size: sentences decoded together (rounded up to the devices).
 
         Raises:
-          UserError: ``sentences`` is one string, or holds something else than strings.
+          UserError: ``sentences`` is one string, or holds something else than strings;
+            ``beam_size``, ``max_length`` or ``batch_size`` is not an int of at least 1,
+            or ``max_length`` is longer than the model takes (``model.max_len``).
         """
         return self.translate_with_report(
             sentences, beam_size=beam_size, max_length=max_length, batch_size=batch_size
@@ -167,8 +170,17 @@ class Translator:
         config = self.config
         beam = config.eval_beam_size if beam_size is None else beam_size
         max_length = config.max_decode_length if max_length is None else max_length
-        if batch_size < 1 or max_length < 1:
-            raise ConfigError(f"batch_size={batch_size} and max_length={max_length} must be >= 1")
+        checked = (("beam_size", beam), ("max_length", max_length), ("batch_size", batch_size))
+        for name, value in checked:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name}={value!r:.40} must be an int of at least 1")
+        if max_length > config.model.max_len:
+            # The model takes at most max_len positions; a longer decode would grow its
+            # beams' caches (17.9 GB at 100,000) for positions it was never trained on.
+            raise UserError(
+                f"max_length={max_length} is more than the model's positions, "
+                f"model.max_len={config.model.max_len}: give at most {config.model.max_len}"
+            )
         encoded, skipped, truncated = self._encode_all(sentences)
         todo = sorted(
             (i for i, t in enumerate(encoded) if t is not None), key=lambda i: -encoded[i].size

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import gzip
+import os
 import re
 from collections.abc import Iterator, Sequence
 
@@ -64,7 +66,8 @@ def expand(patterns: Sequence[str] | str, key: str) -> list[epath.Path]:
     One string holds comma-separated patterns (``--config.data.train_files=a.tsv,b.tsv``).
 
     Raises:
-      ConfigError: naming ``key``, if there is no pattern or one matches nothing.
+      ConfigError: naming ``key``, if there is no pattern, one matches nothing, one
+        is a symbolic link to nothing (or in a loop), or one has ``**``.
       PathError: an object store this machine cannot reach.
     """
     if isinstance(patterns, str):
@@ -73,7 +76,17 @@ def expand(patterns: Sequence[str] | str, key: str) -> list[epath.Path]:
         raise ConfigError(f"{key} is empty: give the files to read (globs allowed)")
     found: dict[str, epath.Path] = {}
     for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"{key}: {pattern!r} is not a path or a glob")
+        if "**" in pattern:
+            # etils refuses it (a walk of every directory below, thousands of requests
+            # in a bucket): said here, in the config's terms.
+            raise ConfigError(
+                f"{key}: {pattern} has '**' (any depth), which is not supported: name "
+                "each level with * (e.g. dir/*/*.txt), or list the patterns, comma-separated"
+            )
         storage.check_reachable(pattern, key)
+        _check_link(pattern, key)
         matches = _glob(str(pattern))
         if not matches:
             raise ConfigError(f"{key}: no file matches {pattern}")
@@ -82,6 +95,28 @@ def expand(patterns: Sequence[str] | str, key: str) -> list[epath.Path]:
                 raise ConfigError(f"{key}: {path} is a directory; name its files (e.g. {path}/*)")
             found.setdefault(str(path), path)
     return [found[name] for name in sorted(found)]
+
+
+def _check_link(pattern: str, key: str) -> None:
+    """Raises ConfigError if the local path ``pattern`` (not a glob) is a symbolic link
+    that leads nowhere: to nothing, or back to itself (which ``exists()`` only calls
+    missing)."""
+    if _GLOB.search(pattern) or "://" in pattern or not os.path.islink(pattern):
+        return
+    try:
+        os.stat(pattern)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{key}: {pattern} is a symbolic link in a loop (it leads back to itself): "
+                "point it at a file"
+            ) from None
+        if e.errno == errno.ENOENT:
+            raise ConfigError(
+                f"{key}: {pattern} is a symbolic link to {os.readlink(pattern)}, which does "
+                "not exist"
+            ) from None
+        raise
 
 
 def _glob(pattern: str) -> list[epath.Path]:

@@ -12,9 +12,11 @@
   datasets are usually shipped);
 * ``.txt`` and ``.jsonl`` optionally gzip-compressed (``.txt.gz``, ``.jsonl.gz``).
 
-A damaged document (bytes that are not UTF-8, a JSON line that is not an object or
-has no such field, an empty document) is skipped and counted by reason, with the
-first file and line of each: one warning, never a traceback. Files are read in
+A damaged document (bytes that are not UTF-8, a JSON line that is not an object,
+has no such field or holds something else than a string there, an empty document)
+is skipped and counted by reason, with the first file and line of each: one
+warning, never a traceback. A Parquet column that is not text at all (integers) is
+refused in one line naming it. Files are read in
 sorted order; the documents keep that order (the training order is a seeded
 shuffle of them, :mod:`trainer.input.language`).
 """
@@ -35,7 +37,13 @@ NAME = "text_files"
 _FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 DOCUMENT_SPLITS = ("line", "blank_line")
 # Reasons a document is skipped, in the order a warning lists them.
-REASONS = ("not UTF-8", "not a JSON object", "missing the text field", "empty document")
+REASONS = (
+    "not UTF-8",
+    "not a JSON object",
+    "missing the text field",
+    "text field not a string",
+    "empty document",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +151,11 @@ def _jsonl(raw: bytes, field: str) -> str:
         return "not a JSON object"
     if not isinstance(row, dict):
         return "not a JSON object"
-    text = row.get(field)
-    if not isinstance(text, str):
+    if row.get(field) is None:
         return "missing the text field"
+    text = row[field]
+    if not isinstance(text, str):
+        return "text field not a string"
     return text if text.strip() else "empty document"
 
 
@@ -173,7 +183,8 @@ def _paragraphs(
 
 
 def _parquet(path: epath.Path, reading: Reading, skipped: corpus.Skipped, digest) -> Iterator[str]:
-    import pyarrow.parquet as pq  # noqa: PLC0415  (only for Parquet files)
+    import pyarrow as pa  # noqa: PLC0415  (only for Parquet files)
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     with path.open("rb") as f:
         try:
@@ -186,11 +197,18 @@ def _parquet(path: epath.Path, reading: Reading, skipped: corpus.Skipped, digest
                 f"{reading.key}: {path} has no column {reading.text_field!r} (it has {names}); "
                 "set data.text_field"
             )
+        column = parquet.schema_arrow.field(reading.text_field).type
+        text_types = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+        if not any(is_text(column) for is_text in text_types):
+            raise ConfigError(
+                f"{reading.key}: {path}'s column {reading.text_field!r} holds {column}, not "
+                "text; set data.text_field to the column of the documents' text"
+            )
         row = 0
         for batch in parquet.iter_batches(columns=[reading.text_field]):
             for text in batch.column(0).to_pylist():
                 row += 1
-                if not isinstance(text, str) or not text.strip():
+                if text is None or not text.strip():
                     skipped.add("empty document", f"{path.name}:row {row}")
                     continue
                 if digest is not None:

@@ -10,9 +10,13 @@ comes from shifting targets right, which inserts PAD.
 Language models (:class:`TextTokenizer`) take a tokenizer as it comes: a SentencePiece
 ``.model`` (trained on the corpus with PAD 0, EOS 1, UNK 2, BOS 3 and, for masked
 language models, ``<mask>`` 4; or any other), or a Hugging Face ``tokenizer.json``
-(through the ``tokenizers`` library, its BOS and EOS from ``tokenizer_config.json``
-beside it). ``encode`` adds no special token: documents are joined as BOS, tokens,
-EOS by the pipeline (:mod:`trainer.input.language`).
+through the ``tokenizers`` library, read as ``transformers`` reads it: BOS is what its
+post-processor puts before a text (whatever ``tokenizer_config.json`` names), EOS the
+``eos_token`` of ``tokenizer_config.json`` (else what the post-processor puts after a
+text), and generation stops at the ``eos_token_id`` of ``generation_config.json``
+beside it (one id or a list: Llama 3 Instruct's three). ``encode`` adds no special
+token: documents are joined as BOS, tokens, EOS by the pipeline
+(:mod:`trainer.input.language`).
 """
 
 import contextlib
@@ -278,8 +282,10 @@ class TextTokenizer(Protocol):
 
     Attributes:
       vocab_size: ids the tokenizer may give (the model's table must hold them).
-      bos_id: begins every document (None: the tokenizer has none).
+      bos_id: begins every document and prompt (None: the tokenizer adds none).
       eos_id: ends every document, and generation.
+      stop_ids: the ids that end generation (``eos_id``, or a model's list of them).
+      pad_id: the padding token it names (None: none).
       mask_id: the masked language model's mask (None: none).
       files: what a run keeps to load it again without its source (name -> bytes).
       kind: ``"sentencepiece"`` or ``"huggingface"``.
@@ -288,6 +294,8 @@ class TextTokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    stop_ids: tuple[int, ...]
+    pad_id: int | None
     mask_id: int | None
     files: dict[str, bytes]
     kind: str
@@ -304,7 +312,10 @@ class TextTokenizer(Protocol):
 
 
 SPM_FILE = "tokenizer.model"
-HF_FILES = ("tokenizer.json", "tokenizer_config.json")
+# A Hugging Face tokenizer's files, and the ids a model's generation stops at (kept
+# with it: a run started from a model directory stops where the model does).
+GENERATION_FILE = "generation_config.json"
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", GENERATION_FILE)
 
 
 class SentencePieceTokenizer:
@@ -324,6 +335,8 @@ class SentencePieceTokenizer:
         self.vocab_size = self._processor.vocab_size()
         self.bos_id = _id_or_none(self._processor.bos_id())
         self.eos_id = _id_or_none(self._processor.eos_id())
+        self.stop_ids = () if self.eos_id is None else (self.eos_id,)
+        self.pad_id = _id_or_none(self._processor.pad_id())
         mask = self._processor.piece_to_id(MASK_PIECE)
         self.mask_id = None if mask == self._processor.unk_id() else mask
 
@@ -339,8 +352,8 @@ class SentencePieceTokenizer:
 
 
 class HfTokenizer:
-    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) as a :class:`TextTokenizer`;
-    BOS, EOS and the mask from ``tokenizer_config.json`` beside it, where it names them."""
+    """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) as a :class:`TextTokenizer`,
+    its special ids as ``transformers`` takes them (the module docstring)."""
 
     kind = "huggingface"
 
@@ -353,16 +366,36 @@ class HfTokenizer:
             raise ConfigError(f"{source} is not a Hugging Face tokenizer.json ({e})") from None
         self.files = dict(files)
         self.source = source
-        settings = json.loads(files.get("tokenizer_config.json", b"{}") or b"{}")
+        settings = _json_object(files, "tokenizer_config.json", source)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._special(settings.get("bos_token"))
-        self.eos_id = self._special(settings.get("eos_token"))
-        self.mask_id = self._special(settings.get("mask_token"))
+        before, after = self._added_around_a_text()
+        # transformers adds what the post-processor adds, whatever bos_token says.
+        self.bos_id = before[0] if before else None
+        self.eos_id = self._special(settings.get("eos_token"), "eos_token", source)
+        if self.eos_id is None and after:
+            self.eos_id = after[-1]
+        self.pad_id = self._special(settings.get("pad_token"), "pad_token", source)
+        self.mask_id = self._special(settings.get("mask_token"), "mask_token", source)
+        self.stop_ids = _stop_ids(files, source, self.eos_id, self.vocab_size)
 
-    def _special(self, token) -> int | None:
+    def _added_around_a_text(self) -> tuple[list[int], list[int]]:
+        """The special ids the post-processor puts before and after a text."""
+        encoding = self._tokenizer.encode("a", add_special_tokens=True)
+        ids, special = encoding.ids, encoding.special_tokens_mask
+        first = next((i for i, s in enumerate(special) if not s), len(ids))
+        last = next((i for i in range(len(ids) - 1, -1, -1) if not special[i]), first - 1)
+        return ids[:first], ids[last + 1 :]
+
+    def _special(self, token, field: str, source: str) -> int | None:
         if isinstance(token, dict):  # {"content": "<s>", ...}, as older configs write it
             token = token.get("content")
-        return None if not token else self._tokenizer.token_to_id(token)
+        if not token:
+            return None
+        if not isinstance(token, str):
+            raise ConfigError(
+                f"{source}: tokenizer_config.json's {field}={token!r} is not a token (a string)"
+            )
+        return self._tokenizer.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -372,6 +405,44 @@ class HfTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _json_object(files: dict[str, bytes], name: str, source: str) -> dict:
+    """The JSON object of ``files[name]`` ({} where there is none).
+
+    Raises:
+      ConfigError: it is not a JSON object, naming the file.
+    """
+    try:
+        value = json.loads(files.get(name) or b"{}")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{source}: {name} is not JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _stop_ids(
+    files: dict[str, bytes], source: str, eos_id: int | None, vocab_size: int
+) -> tuple[int, ...]:
+    """The ids generation stops at: ``generation_config.json``'s ``eos_token_id`` (an
+    id or a list), else ``eos_id``.
+
+    Raises:
+      ConfigError: an ``eos_token_id`` that is not an id of the vocabulary, or a list of them.
+    """
+    stops = _json_object(files, GENERATION_FILE, source).get("eos_token_id")
+    if stops is None:
+        return () if eos_id is None else (eos_id,)
+    listed = stops if isinstance(stops, list) else [stops]
+    if not listed or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in listed
+    ):
+        raise ConfigError(
+            f"{source}: {GENERATION_FILE}'s eos_token_id={json.dumps(stops)} is not an id "
+            f"below the vocabulary's {vocab_size} (or a list of them)"
+        )
+    return tuple(dict.fromkeys(listed))
 
 
 def _id_or_none(i: int) -> int | None:
@@ -396,8 +467,9 @@ def load_text_tokenizer(location: str | os.PathLike) -> TextTokenizer:
         raise ConfigError(f"no tokenizer at {path}")
     if path.name.endswith(".json"):
         files = {"tokenizer.json": path.read_bytes()}
-        if (settings := path.parent / "tokenizer_config.json").exists():
-            files["tokenizer_config.json"] = settings.read_bytes()
+        for name in HF_FILES[1:]:  # beside it: its special tokens, where generation stops
+            if (beside := path.parent / name).exists():
+                files[name] = beside.read_bytes()
         return HfTokenizer(files, source=str(path))
     return SentencePieceTokenizer(path.read_bytes(), source=str(path))
 

@@ -166,6 +166,7 @@ def make_translation_data(data_config: Any, opts: DataOptions) -> TranslationDat
         len(train_source),
         functools.partial(_read, train_source),
         lambda records: [tokenize.count(r) for r in records],
+        what="sentence pairs",
     )
     plan = packing.RowPlan(lengths, tr.max_length, tr.pack, opts.seed, opts.name)
     train = feed.TrainBatches(TrainBatchFn(train_source, tokenize, plan, opts, tr), opts)

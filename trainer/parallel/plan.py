@@ -434,7 +434,9 @@ def make_plan(
         under ``per_layer`` a stack's parameters are laid out a layer at a time.
     """
     if mode not in MODES:
-        raise ConfigError(f"optimizer.update_sharding must be one of {MODES}, got '{mode}'")
+        raise ConfigError(
+            f"optimizer.update_sharding must be one of {', '.join((*MODES, 'auto'))}, got '{mode}'"
+        )
     if max_shard_padding < 0:
         raise ConfigError(f"optimizer.max_shard_padding must be >= 0, got {max_shard_padding}")
     shards = mesh.shape[mesh_lib.DATA_AXIS] if mode != "none" else 1
@@ -443,7 +445,8 @@ def make_plan(
     if mode == "per_layer" and not any(jax.tree.leaves(stacks)):
         raise ConfigError(
             "optimizer.update_sharding='per_layer' gathers the layers of a scanned stack "
-            "one at a time, and this model has none (model.scan_layers=true, or use wus)"
+            "one at a time, and this model has none: use wus or fsdp (or, for a model "
+            "with a model.scan_layers key, set it true)"
         )
     layouts = jax.tree.map(
         lambda p, s, stack: choose_layout(

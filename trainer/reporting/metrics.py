@@ -166,19 +166,22 @@ class MetricWriter:
         note: str = "",
         samples: tuple[str, ...] = (),
     ) -> None:
-        """One console line: step, loss, steps/s, eval metrics if any, the time left at
-        the row's rate, then ``note``; then a line per sample output."""
+        """One console line: step, loss, learning rate, steps/s and tokens/s, eval
+        metrics if any, the time left at the row's rate, then ``note``; then a line per
+        sample output."""
         if not self.enabled:
             return
         parts = [f"step {step:>7d}/{total}"]
-        for key, fmt in (
-            ("loss", ".4f"),
-            ("grad_norm", ".3g"),
-            ("steps_per_sec", ".2f"),
-            ("mfu", ".2%"),
+        for key, label, fmt in (
+            ("loss", "loss", ".4f"),
+            ("grad_norm", "grad_norm", ".3g"),
+            ("learning_rate", "lr", ".3g"),
+            ("steps_per_sec", "steps/s", ".2f"),
+            ("tokens_per_sec", "tokens/s", ",.0f"),
+            ("mfu", "mfu", ".2%"),
         ):
             if key in scalars:
-                parts.append(f"{key.replace('_per_sec', '/s')} {scalars[key]:{fmt}}")
+                parts.append(f"{label} {scalars[key]:{fmt}}")
         if "memory/peak_bytes_in_use" in scalars:
             in_use = scalars.get("memory/bytes_in_use", 0.0) / 2**30
             parts.append(

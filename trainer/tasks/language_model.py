@@ -20,6 +20,7 @@ from trainer.errors import ConfigError, floating_dtype
 from trainer.input.language import documents as documents_lib
 from trainer.input.language import options as options_lib
 from trainer.input.language import pipeline as pipeline_lib
+from trainer.tasks import text_samples
 from trainer.tasks.base import Task
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(decoder.DecoderConfig)} - {"rope_scaling"}
@@ -69,9 +70,16 @@ def make_task(
     if data is not None:
         documents_lib.check_vocabulary(data.tokenizer, cfg.vocab_size)
     model = decoder.Decoder(cfg)
-    eval_model = decoder.Decoder(
-        dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
-    )
+    eval_cfg = dataclasses.replace(cfg, dtype=floating_dtype(config.eval_dtype, "eval_dtype"))
+    eval_model = decoder.Decoder(eval_cfg)
+    samples = None
+    if data is not None and config.eval_samples > 0:
+        samples = text_samples.continuations(
+            decoder.Decoder(dataclasses.replace(eval_cfg, decode=True)),
+            data.tokenizer,
+            data.held_out(config.eval_samples),
+            stop_ids=data.tokenizer.stop_ids,
+        )
     # Initial values are those of the unscanned model whatever model.scan_layers says.
     per_layer = decoder.Decoder(dataclasses.replace(cfg, scan_layers=False))
     init_batch = {key: np.ones((1, length), np.int32) for key in options_lib.DECODER_KEYS}
@@ -106,6 +114,7 @@ def make_task(
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,
+        evaluate_extra=samples,
         flops_per_example=length * decoder.train_flops_per_token(cfg, length),
         counts_tokens=True,
         run_files=dict(data.tokenizer.files) if data is not None else {},

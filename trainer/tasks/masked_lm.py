@@ -16,6 +16,7 @@ from trainer.errors import ConfigError, floating_dtype
 from trainer.input.language import documents as documents_lib
 from trainer.input.language import options as options_lib
 from trainer.input.language import pipeline as pipeline_lib
+from trainer.tasks import text_samples
 from trainer.tasks.base import Task
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(bert.BertConfig)}
@@ -88,6 +89,16 @@ def make_task(
         loss, sums = losses.cross_entropy_and_metrics(logits, batch["masked_ids"], weights)
         return loss, (sums, {})
 
+    samples = None
+    if data is not None and config.eval_samples > 0:
+        samples = text_samples.masked_guesses(
+            eval_model,
+            data.tokenizer,
+            lambda: next(iter(data.eval_batches()), None),
+            arguments,
+            config.eval_samples,
+        )
+
     def weight_fn(batch):
         return jnp.sum(batch["masked_weights"]).astype(jnp.float32)
 
@@ -100,6 +111,7 @@ def make_task(
         loss_fn=loss_fn,
         weight_fn=weight_fn,
         init_fn=init_fn,
+        evaluate_extra=samples,
         flops_per_example=length * bert.train_flops_per_token(cfg, length, predictions),
         counts_tokens=False,
         run_files=dict(data.tokenizer.files) if data is not None else {},

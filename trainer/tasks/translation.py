@@ -146,7 +146,7 @@ def make_task(
         hypotheses = hypotheses[: len(references)]
         return HostEvaluation(
             text_metrics.corpus_metrics(hypotheses, references),
-            text_metrics.samples(sources, hypotheses, references),
+            text_metrics.samples(sources, hypotheses, references, config.eval_samples),
         )
 
     return Task(

@@ -9,6 +9,7 @@ one per layer of a stack.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -48,6 +49,40 @@ def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> op
     if warmup <= 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def describe(config: ml_collections.ConfigDict, param_views, num_train_steps: int) -> str:
+    """The optimizer in one line, as the run says it at start: its name and settings,
+    the schedule, and what weight decay applies to."""
+    name = config.name
+    parts = [f"optimizer {name}: learning rate {config.learning_rate:.3g}"]
+    schedule = config.schedule
+    if config.warmup_steps > 0:
+        schedule += f" after {config.warmup_steps:,} warm-up steps"
+    if config.schedule in ("cosine", "polynomial"):
+        schedule += f" to {config.end_learning_rate:.3g} at step {num_train_steps:,}"
+    parts.append(schedule)
+    if name in ("adam", "adamw", "lamb"):
+        parts.append(f"b1 {config.b1} b2 {config.b2} eps {config.eps:g}")
+    if name in ("momentum", "lars"):
+        parts.append(f"momentum {config.momentum}" + (" (Nesterov)" if config.nesterov else ""))
+    if name in ("adamw", "lamb", "lars") and config.weight_decay:
+        views = [v for v in _leaves(param_views)]
+        decayed = sum(v.decayed for v in views)
+        what = "and trust ratios (per layer) " if name in ("lamb", "lars") else ""
+        parts.append(
+            f"weight decay {config.weight_decay:g} {what}on {decayed} weights, not on "
+            f"{len(views) - decayed} norm scales and biases"
+        )
+    elif name in ("lamb", "lars"):
+        parts.append("trust ratios per layer, not on norm scales and biases")
+    if config.clip_norm > 0:
+        parts.append(f"gradients clipped to norm {config.clip_norm:g}")
+    return "; ".join(parts)
+
+
+def _leaves(param_views) -> list:
+    return list(jax.tree.leaves(param_views, is_leaf=lambda x: isinstance(x, layerwise.ParamView)))
 
 
 def make_optimizer(

@@ -25,6 +25,7 @@ import ml_collections
 from etils import epath
 
 from trainer.errors import ConfigError
+from trainer.input import tokenizer as tokenizer_lib
 from trainer.training import optimizers
 from trainer.workdir import run_config, storage
 
@@ -109,6 +110,8 @@ def compare(
     except (FileNotFoundError, ValueError, OSError):
         return []  # nothing recorded to compare with (a run older than the records)
     changes = _config_changes(before, config, step)
+    # The vocabulary's files: generation_config.json (stop ids) may change freely.
+    run_files = {n: c for n, c in run_files.items() if n != tokenizer_lib.GENERATION_FILE}
     old_files = {
         name: (directory / name).read_bytes() for name in run_files if (directory / name).exists()
     }

@@ -29,7 +29,15 @@ from trainer.reporting import metrics as metrics_lib
 from trainer.reporting import summary as summary_lib
 from trainer.reporting import tracking
 from trainer.reporting.window import LogWindow
-from trainer.training import evaluation, init_from, profiling, resume_changes, stopping
+from trainer.training import (
+    evaluation,
+    init_from,
+    layerwise,
+    optimizers,
+    profiling,
+    resume_changes,
+    stopping,
+)
 from trainer.training import experiment as experiment_lib
 from trainer.training import step as step_lib
 from trainer.workdir import records, run_config, storage
@@ -167,10 +175,13 @@ def _train(
     compiled_loop = _loop_compiler(exp, report)
     evaluate = _evaluator(exp)
 
+    to_logical = _to_logical_compiler(exp, report)
+
     def save(step: int, state: step_lib.TrainState, data_state) -> None:
+        convert = to_logical()  # compiled at the first save, booked as a compile
         console.say(f"saving the checkpoint of step {step} (written in the background)")
         with report.timing("save"), jax.set_mesh(exp.mesh):  # the blocking part only
-            checkpointer.save(step, exp.to_logical(state), data_state, config)
+            checkpointer.save(step, convert(state), data_state, config)
 
     # ---------------------------------------------------------- host loop
     total, k_max = config.num_train_steps, config.steps_per_loop
@@ -293,6 +304,27 @@ def _loop_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport
     return compiled_loop
 
 
+def _to_logical_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport):
+    """``to_logical()``: the train state's conversion to the checkpoint's logical shapes,
+    compiled once (a phase said, its time the summary's compile, not the save's)."""
+
+    @functools.cache
+    def to_logical():
+        what = "compiling the checkpoint's conversion to logical shapes"
+        with console.phase(what, done="compiled") as compiling:
+            abstract = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                exp.abstract_state,
+                exp.state_shardings,
+            )
+            with jax.set_mesh(exp.mesh):
+                out = exp.to_logical.lower(abstract).compile()
+        report.add("compile", compiling.seconds)
+        return out
+
+    return to_logical
+
+
 def _evaluates(config: ml_collections.ConfigDict, step: int) -> bool:
     """Whether the run evaluates after ``step``: every ``eval_every_steps`` and at
     the end (``eval_every_steps=0``: never, not even at the end)."""
@@ -323,7 +355,8 @@ def _describe(exp: experiment_lib.Experiment) -> str:
     )
     if (slices := math.prod(config.mesh.dcn_axes.values())) > 1:
         line += f"\nshard groups: {mesh_lib.describe_groups(exp.mesh, slices)}"
-    return line
+    views = layerwise.views(exp.plan.layouts, exp.plan.stacks)
+    return line + "\n" + optimizers.describe(config.optimizer, views, config.num_train_steps)
 
 
 def _restore_or_initialise(

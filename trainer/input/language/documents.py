@@ -93,6 +93,7 @@ def document_lengths(cache_dir: str, documents: text_files.Documents, tokenizer)
         lambda indices: [documents[i] for i in indices],
         lambda texts: [[len(ids) + specials] for ids in tokenizer.encode_batch(list(texts))],
         width=1,
+        what="documents",
     )
     return lengths[:, 0]
 

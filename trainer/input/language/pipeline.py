@@ -35,12 +35,15 @@ class LanguageData:
       tokenizer: the run's tokenizer.
       input_record: what the training documents are (their files, bytes and count,
         and a digest of their contents), recorded for a resume to compare.
+      held_out: ``n`` -> the first ``n`` eval documents' tokens (samples of what the
+        model learnt; none for random tokens).
     """
 
     train: feed.TrainBatches
     eval_batches: Callable[[], Iterable[Batch]]
     tokenizer: tokenizer_lib.TextTokenizer
     input_record: dict = dataclasses.field(default_factory=dict)
+    held_out: Callable[[int], list[np.ndarray]] = lambda n: []
 
 
 def _on_tiny_text(lm: LanguageOptions, data_dir: str) -> LanguageOptions:
@@ -88,8 +91,11 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
             opts.seed,
         )
     row_tokens = lm.max_length if lm.masked else lm.max_length + 1
-    plan = DocumentStream(train_docs.lengths, row_tokens, lm.max_length, opts.seed)
-    train = feed.TrainBatches(TrainBatchFn(train_docs, plan, opts, masking), opts)
+    if train_docs is None:  # evaluation only: a model of its own tokenizer, on eval_files
+        train = feed.TrainBatches(_no_training, opts)
+    else:
+        plan = DocumentStream(train_docs.lengths, row_tokens, lm.max_length, opts.seed)
+        train = feed.TrainBatches(TrainBatchFn(train_docs, plan, opts, masking), opts)
     evals = _eval_batches(
         eval_docs,
         DocumentStream(eval_docs.lengths, row_tokens, lm.max_length, None),
@@ -97,18 +103,28 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
         opts,
         masking,
     )
-    return LanguageData(train, evals, tokenizer, record)
+    return LanguageData(
+        train,
+        evals,
+        tokenizer,
+        record,
+        lambda n: eval_docs.tokens(range(min(n, len(eval_docs.lengths)))),
+    )
 
 
 def _documents(lm: LanguageOptions, opts: DataOptions):
     """``(tokenizer, training documents, eval documents, input record)``: the eval
-    documents are
-    ``data.eval_files``'s, refused where they share a file with the training
-    documents, or without them a held-out share of the training documents (the
-    tokenizer, where one is trained, learns from the rest only)."""
+    documents are ``data.eval_files``'s, refused where they share a file with the
+    training documents, or without them a held-out share of the training documents
+    (the tokenizer, where one is trained, learns from the rest only). Without training
+    files, a configured tokenizer and eval files give an evaluation only (no training
+    documents: asking for a training batch is an error)."""
     reading = text_files.Reading(lm.document, lm.text_field, "data.train_files")
     held = None
-    if lm.tokenized_dir:
+    if not lm.train_files and not lm.tokenized_dir and lm.eval_files and lm.tokenizer:
+        # Evaluating a model that brings its tokenizer needs no training documents.
+        tokenizer, train_docs, record = tokenizer_lib.load_text_tokenizer(lm.tokenizer), None, {}
+    elif lm.tokenized_dir:
         store = token_store.TokenStore(lm.tokenized_dir)
         tokenizer, train_docs = store.tokenizer, store
         record = _input_record(
@@ -135,12 +151,17 @@ def _documents(lm: LanguageOptions, opts: DataOptions):
             held = documents_lib.TextDocuments(held, tokenizer, held_lengths)
     if held is not None:
         return tokenizer, train_docs, held, record
-    _check_apart(lm)
+    if train_docs is not None and not lm.tokenized_dir:
+        _check_apart(lm)
     eval_reading = dataclasses.replace(reading, key="data.eval_files")
     eval_docs = text_files.read(lm.eval_files, eval_reading)
     eval_lengths = documents_lib.document_lengths(opts.data_dir, eval_docs, tokenizer)
     eval_docs = documents_lib.TextDocuments(eval_docs, tokenizer, eval_lengths)
     return tokenizer, train_docs, eval_docs, record
+
+
+def _no_training(batch_index: int) -> Batch:
+    raise ConfigError("data.train_files is empty: give the documents to train on")
 
 
 def _input_record(files, corpus_digest: str, documents: int) -> dict:
