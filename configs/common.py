@@ -16,6 +16,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.seed = 0  # initialisation, dropout and the input order derive from it
     config.global_batch_size = 256  # examples per optimizer step, over all devices
     config.num_train_steps = 1000  # optimizer steps of the whole run
+    # > 0: passes over the training rows instead: num_train_steps is computed from the
+    # data (rows an epoch x epochs / global_batch_size, rounded up) and said at start.
+    config.num_train_epochs = 0.0
     # K training steps run inside one compiled call; Python only runs between loops,
     # so the *_every_steps below must be multiples of it.
     config.steps_per_loop = 10
@@ -91,6 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.learning_rate = 1e-3  # the peak, after warm-up
     config.optimizer.schedule = "constant"  # constant | rsqrt | cosine | polynomial
     config.optimizer.warmup_steps = 0  # linear warm-up from 0 to learning_rate
+    config.optimizer.warmup_ratio = 0.0  # > 0: warm up this share of the steps instead
     config.optimizer.end_learning_rate = 0.0  # cosine and polynomial schedules: the rate at the end
     config.optimizer.power = 2.0  # polynomial schedule: the decay's exponent
     config.optimizer.b1 = 0.9  # adam, adamw, lamb: first-moment decay

@@ -29,9 +29,17 @@ decay; 1,000 steps of 64 rows of at most 2,048 tokens):
   python -m trainer --config configs/llama.py:hf=/models/Llama-3.2-1B --workdir /tmp/ft \
       --config.data.train_files=/my/texts/*.jsonl --config.data.eval_files=/my/eval.jsonl
 
+Instruction fine-tuning of a model you have on your conversations (.jsonl or .parquet
+rows of {"messages": [...]} or {"prompt": ..., "completion": ...}), rendered with its
+own chat template, the loss on the answers, three epochs (docs/chat.md):
+
+  python -m trainer --config configs/llama.py:hf=/models/Llama-3.2-1B,chat \\
+      --workdir /tmp/sft --config.data.train_files=/my/chats/*.jsonl
+
 Variants, combinable with commas (``:llama3-8b,synthetic``): ``tiny``, ``text``,
-``llama3.2-1b``, ``llama3-8b``, ``llama3-70b``, ``synthetic`` (random tokens: no data,
-for trainer.bench and trainer.aot), and ``hf=DIR`` (a Hugging Face model directory).
+``chat``, ``llama3.2-1b``, ``llama3-8b``, ``llama3-70b``, ``synthetic`` (random tokens:
+no data, for trainer.bench and trainer.aot), and ``hf=DIR`` (a Hugging Face model
+directory).
 """
 
 import os
@@ -48,6 +56,7 @@ VARIANTS = {
     "llama3-8b": "Llama 3 8B: 32 layers, d 4096, 32/8 heads, 8,030,261,248 parameters",
     "llama3-70b": "Llama 3 70B: 80 layers, d 8192, 64/8 heads, 70,553,706,496 parameters",
     "synthetic": "random tokens: no dataset needed (for bench and aot)",
+    "chat": "instruction fine-tuning on your conversations (with hf=DIR: the model's template)",
 }
 # Variants that take a value (``:hf=DIR``), for --list_configs.
 OPTIONS = {
@@ -150,6 +159,9 @@ def data_section(name: str = "text_files", **overrides) -> ml_collections.Config
         # eval_holdout of the training documents (seeded: the same on any process count).
         eval_files="",
         eval_holdout=0.01,  # the share of train_files held out when eval_files is ""
+        # data.name="chat" (your conversations: trainer/input/language/chat.py): the loss
+        # counts every token, not only the answers'.
+        train_on_prompts=False,
         document="line",  # a .txt file holds a document a line | a blank_line between them
         text_field="text",  # the JSON key / Parquet column holding a document's text
         # A SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding
@@ -274,7 +286,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             name="adamw",
             learning_rate=2e-5,
             schedule="cosine",
-            warmup_steps=30,
+            warmup_ratio=0.03,
             end_learning_rate=0.0,
             b1=0.9,
             b2=0.999,
@@ -282,6 +294,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             weight_decay=0.0,
             clip_norm=1.0,
         )
+    if "chat" in parts:
+        # Full-parameter instruction fine-tuning (supervised, on the answers): Alpaca's
+        # three epochs over the conversations (tatsu-lab/stanford_alpaca; with hf=DIR its
+        # optimizer settings above), whole conversations packed into the rows.
+        config.data.update(name="chat", train_files="")
+        config.num_train_epochs = 3.0
+        config.eval_every_steps = 100
+        config.checkpoint_every_steps = 500
     if "synthetic" in parts:
         config.data.name = "synthetic"
         config.data.worker_count = 0  # Random ids cost nothing to make.

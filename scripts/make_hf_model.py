@@ -20,11 +20,23 @@ import os
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "text", "train", "part-0.txt")
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Llama 3 Instruct's chat format (its turn markers, special tokens of their own): what
+# --chat_template llama3 gives the tokenizer, as a model you would fine-tune ships it.
+CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{{ message['content'] | trim }}{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
 
 
-def make_tokenizer(out: str, vocab_size: int, text_files: str = SAMPLE):
+def make_tokenizer(out: str, vocab_size: int, text_files: str = SAMPLE, chat: bool = False):
     """A byte-level BPE tokenizer of ``vocab_size`` ids trained on the lines of
-    ``text_files`` (a glob of .txt files), saved in ``out``; returns it (transformers')."""
+    ``text_files`` (a glob of .txt files), saved in ``out``; returns it (transformers').
+    With ``chat``, Llama 3's turn markers are special tokens and its chat template is
+    saved with it."""
     import tokenizers  # noqa: PLC0415  (the script's own dependencies, the hf extra)
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -34,7 +46,7 @@ def make_tokenizer(out: str, vocab_size: int, text_files: str = SAMPLE):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
+        special_tokens=[BOS, EOS, *(CHAT_TOKENS if chat else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -46,6 +58,8 @@ def make_tokenizer(out: str, vocab_size: int, text_files: str = SAMPLE):
         single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
     )
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS)
+    if chat:
+        fast.chat_template = LLAMA3_CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
@@ -69,13 +83,14 @@ def make_model(
     max_shard_size: str = "5GB",
     seed: int = 0,
     text_files: str = SAMPLE,
+    chat: bool = False,
 ):
     """Writes a random ``architecture`` model and its tokenizer to ``out``; returns
     the model (in float32, for a reference forward pass)."""
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    tokenizer = make_tokenizer(out, min(vocab_size, 512), text_files)
+    tokenizer = make_tokenizer(out, min(vocab_size, 512), text_files, chat=chat)
     settings = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -117,6 +132,9 @@ def make_model(
                 parameter.normal_(0.0, 0.2)
     model.eval()
     model.generation_config.do_sample = False
+    if chat:  # Llama 3 Instruct stops at the end of a turn as well as at EOS
+        end_of_turn = tokenizer.convert_tokens_to_ids(CHAT_TOKENS[-1])
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
     model.to(getattr(torch, dtype)).save_pretrained(out, max_shard_size=max_shard_size)
     return model.float()
 
@@ -134,6 +152,13 @@ def main() -> None:
     parser.add_argument("--tie", action="store_true", help="tie the output table to the input")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat_template",
+        choices=["none", "llama3"],
+        default="none",
+        help="give the tokenizer Llama 3 Instruct's chat format (its turn markers and template)",
+    )
+    parser.add_argument("--max_positions", type=int, default=128)
     args = parser.parse_args()
     if os.path.exists(args.out) and os.listdir(args.out):
         raise SystemExit(f"error: {args.out} exists and is not empty")
@@ -149,6 +174,8 @@ def main() -> None:
         tie=args.tie,
         dtype=args.dtype,
         seed=args.seed,
+        max_positions=args.max_positions,
+        chat=args.chat_template == "llama3",
     )
     print(f"wrote a random {args.architecture} model and its tokenizer to {args.out}")
 

@@ -1,5 +1,5 @@
 """``python -m trainer.generate --workdir DIR [--step S] [--max_new_tokens N] [--temperature T]
-[--top_k K] [--top_p P] [--seed S] [--batch_size B] [--cpu_devices N] < prompts.txt > out.txt``.
+[--top_k K] [--top_p P] [--seed S] [--batch_size B] [--chat] [--cpu_devices N] < prompts.txt``.
 
 One prompt a line in, its continuation a line out (an empty prompt is continued from
 BOS alone; a newline the model writes becomes a space and a line that is not UTF-8
@@ -13,12 +13,18 @@ tokenizer's EOS (any of the model's, where its ``generation_config.json`` lists
 several). Every flag is checked before the prompts are read. A summary (step,
 compile time, tokens/s) goes to stderr.
 
+``--chat``: each line is a conversation to answer, a user's message as plain text or a
+JSON list of ``{"role", "content"}`` messages, rendered with the model's chat template
+(``Generator.generate(..., chat=True)``); the answer ends at the template's end of turn.
+
 Example:
 python -m trainer.generate --workdir /tmp/lm --max_new_tokens 24 < prompts.txt
+echo "What is 2 + 3?" | python -m trainer.generate --workdir /tmp/sft --chat
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 from absl import flags
@@ -45,6 +51,9 @@ _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 16, "Prompts generated together (rounded up to a multiple of the devices)."
 )
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Expose this many CPU devices.")
+_CHAT = flags.DEFINE_bool(
+    "chat", False, "Each line is a conversation (a message, or a JSON list of messages)."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -73,7 +82,10 @@ def main(argv: list[str]) -> None:
     readable = [i for i, line in enumerate(lines) if line is not None]
     with cli.clear_errors():
         model = generator.Generator.load(_WORKDIR.value, step=_STEP.value, config=config)
-        continued, report = model.generate_with_report([lines[i] for i in readable], **settings)
+        prompts = [lines[i] for i in readable]
+        if _CHAT.value:
+            prompts = [_conversation(i, lines[i]) for i in readable]
+        continued, report = model.generate_with_report(prompts, chat=_CHAT.value, **settings)
     out = [""] * len(lines)
     for i, text in zip(readable, continued, strict=True):
         out[i] = " ".join(text.splitlines())
@@ -92,6 +104,16 @@ def main(argv: list[str]) -> None:
         f"{report.compile_s:.1f}s of compiling",
         file=sys.stderr,
     )
+
+
+def _conversation(index: int, line: str):
+    """A line of ``--chat`` input: a JSON list of messages, or a user's message."""
+    if line.lstrip().startswith("["):
+        try:
+            return json.loads(line)
+        except ValueError as e:
+            cli.fail(f"input line {index + 1} is not a JSON list of messages ({e})")
+    return line
 
 
 def _count(n: int, noun: str) -> str:

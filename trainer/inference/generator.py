@@ -9,6 +9,14 @@ model directory, then continue prompts::
     model = Generator.load("/tmp/lm")       # or an export's directory
     model.generate(["the big dog sees a cat =>"], max_new_tokens=24)
     model.generate(prompts, temperature=0.8, top_p=0.95, seed=1)   # sampled
+    model.generate([[{"role": "user", "content": "What is 2 + 3?"}]], chat=True)
+
+With ``chat=True`` each prompt is a conversation (a list of ``{"role", "content"}``
+messages, or a string: one user message), rendered with the model's chat template (a
+run's kept ``chat_template.jinja``, the model directory's ``tokenizer_config.json``'s,
+or :data:`trainer.input.chat_template.FALLBACK`) and its generation prompt, exactly as
+``transformers``' ``apply_chat_template(..., add_generation_prompt=True)``; the answer
+ends at the template's end of turn as well as at EOS.
 
 ``python -m trainer.generate`` is this class over stdin and stdout. Prompts are
 tokenized (``BOS`` first where the tokenizer adds one, as ``transformers`` does),
@@ -46,6 +54,7 @@ from models import decoder, generate
 from trainer import console, tasks
 from trainer.errors import UserError
 from trainer.inference import loading
+from trainer.input import chat_template as chat_template_lib
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.parallel import batches
 from trainer.parallel import mesh as mesh_lib
@@ -82,9 +91,15 @@ class Generator:
       source: where the parameters came from; tokenizer: the run's tokenizer.
     """
 
-    def __init__(self, trained: loading.Trained, tokenizer: tokenizer_lib.TextTokenizer):
+    def __init__(
+        self,
+        trained: loading.Trained,
+        tokenizer: tokenizer_lib.TextTokenizer,
+        files: dict[str, bytes] | None = None,
+    ):
         self.config, self.step, self.source = trained.config, trained.step, trained.source
         self.tokenizer = tokenizer
+        self._files = dict(files or tokenizer.files)
         self._trained = trained
         cfg = language_model.model_config(trained.config)
         eval_dtype = jnp.dtype(trained.config.eval_dtype)
@@ -126,7 +141,18 @@ class Generator:
             if (directory / name).exists()
         }
         tokenizer = tokenizer_lib.tokenizer_from_files(files, str(directory))
-        return cls(loading.load(directory, family="decoder", step=step, config=config), tokenizer)
+        trained = loading.load(directory, family="decoder", step=step, config=config)
+        return cls(trained, tokenizer, files)
+
+    @functools.cached_property
+    def chat_template(self) -> chat_template_lib.ChatTemplate:
+        """The template conversations are rendered with (the module doc)."""
+        specials = {
+            f"{name}_token": self.tokenizer.piece(i)
+            for name, i in (("bos", self.tokenizer.bos_id), ("eos", self.tokenizer.eos_id))
+            if i is not None
+        }
+        return chat_template_lib.template_from_files(self._files, self.source, specials)
 
     def generate(
         self,
@@ -138,6 +164,7 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         batch_size: int = 16,
+        chat: bool = False,
     ) -> list[str]:
         """The continuation of each prompt, in order (up to EOS, which is left out).
 
@@ -148,11 +175,14 @@ class Generator:
           top_p: sample from the most likely tokens whose probabilities reach p (1: all).
           seed: of the samples: the same seed gives the same continuations.
           batch_size: prompts generated together (rounded up to the devices).
+          chat: each prompt is a conversation, answered (the module doc).
 
         Raises:
           UserError: ``prompts`` is one string (or a file) or holds something else than
-            strings, a prompt does not fit the model's context with ``max_new_tokens``,
-            or an argument of another type than its default's or out of range.
+            strings (conversations, with ``chat``), a prompt does not fit the model's
+            context with ``max_new_tokens``, or an argument of another type than its
+            default's or out of range.
+          ConfigError: the chat template fails on a conversation.
         """
         return self.generate_with_report(
             prompts,
@@ -162,6 +192,7 @@ class Generator:
             top_p=top_p,
             seed=seed,
             batch_size=batch_size,
+            chat=chat,
         )[0]
 
     def generate_with_report(
@@ -174,9 +205,10 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         batch_size: int = 16,
+        chat: bool = False,
     ) -> tuple[list[str], Report]:
         """:meth:`generate`, and a :class:`Report` of what it did."""
-        prompts = loading.texts(prompts, "prompts")
+        prompts = _conversations(prompts) if chat else loading.texts(prompts, "prompts")
         sampling = check_arguments(
             self.config.model,
             max_new_tokens=max_new_tokens,
@@ -186,7 +218,12 @@ class Generator:
             seed=seed,
             batch_size=batch_size,
         )
-        encoded = [self._encode(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        if chat:
+            encoded = [self._encode_chat(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+            stops = self._chat_stops()
+        else:
+            encoded = [self._encode(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+            stops = tuple(self.tokenizer.stop_ids)
         order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
         rows = self._rows(batch_size)
         # One width for the call: the longest prompt's (its chunks share one program).
@@ -203,7 +240,7 @@ class Generator:
                 chunk = order[first : first + rows]
                 tokens, pad, index = _left_padded([encoded[i] for i in chunk], chunk, rows, width)
                 before = time.perf_counter()
-                program = self._program(rows, width, max_new_tokens, sampling)
+                program = self._program(rows, width, max_new_tokens, sampling, stops)
                 compile_s += time.perf_counter() - before
                 result = np.asarray(
                     program(
@@ -213,7 +250,7 @@ class Generator:
                     )
                 )
                 for r, i in enumerate(chunk):
-                    ids = _until_stop(result[r], self.tokenizer.stop_ids)
+                    ids = _until_stop(result[r], stops)
                     produced += len(ids)
                     out[i] = self.tokenizer.decode(ids)
                 progress.update(len(chunk))
@@ -221,6 +258,19 @@ class Generator:
         return out, Report(self.step, len(prompts), produced, compile_s, seconds)
 
     # -------------------------------------------------------------- helpers
+    def _encode_chat(self, index: int, messages: list, max_new_tokens: int) -> list[int]:
+        text = self.chat_template.render(
+            messages, add_generation_prompt=True, what=f"conversation {index}"
+        )
+        ids = list(self.tokenizer.encode_offsets(text)[0])
+        return self._fits(index, ids, max_new_tokens)
+
+    def _chat_stops(self) -> tuple[int, ...]:
+        """EOS, and the chat template's end of turn (``<|eot_id|>``, ``<|im_end|>``)."""
+        end_of_turn = self.tokenizer.token_id(self.chat_template.end_of_turn())
+        extra = [end_of_turn] if end_of_turn is not None else []
+        return tuple(dict.fromkeys([*self.tokenizer.stop_ids, *extra]))
+
     def _encode(self, index: int, prompt: str, max_new_tokens: int) -> list[int]:
         bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
         ids = bos + self.tokenizer.encode(prompt)
@@ -228,6 +278,9 @@ class Generator:
             raise UserError(
                 f"prompt {index} is empty and the tokenizer adds no BOS: nothing to continue"
             )
+        return self._fits(index, ids, max_new_tokens)
+
+    def _fits(self, index: int, ids: list[int], max_new_tokens: int) -> list[int]:
         if len(ids) + max_new_tokens > self.max_len:
             raise UserError(
                 f"prompt {index} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} "
@@ -249,15 +302,22 @@ class Generator:
     def _put(self, array: np.ndarray) -> jax.Array:
         return jax.device_put(array, batches.sharding(self._trained.model.mesh))
 
-    def _program(self, rows: int, width: int, max_new_tokens: int, sampling: generate.Sampling):
-        key = (rows, width, max_new_tokens, sampling)
+    def _program(
+        self,
+        rows: int,
+        width: int,
+        max_new_tokens: int,
+        sampling: generate.Sampling,
+        stops: tuple[int, ...],
+    ):
+        key = (rows, width, max_new_tokens, sampling, stops)
         if key not in self._compiled:
             fn = jax.jit(
                 functools.partial(
                     generate.generate,
                     self._model,
                     max_new_tokens=max_new_tokens,
-                    eos_id=tuple(self.tokenizer.stop_ids),
+                    eos_id=stops,
                     sampling=sampling,
                 )
             )
@@ -343,6 +403,39 @@ def _real(name: str, value, expected: str) -> None:
         raise UserError(f"{name}={value!r:.40} is {type(value).__name__}: give a number {expected}")
     if not math.isfinite(value):
         raise UserError(f"{name}={value} is not a finite number: give one {expected}")
+
+
+def _conversations(prompts) -> list[list[dict]]:
+    """``prompts`` as conversations: each a list of ``{"role", "content"}`` messages, or
+    a string (one user message).
+
+    Raises:
+      UserError: anything else, naming the prompt.
+    """
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        raise UserError(
+            "prompts: give a list of conversations (each a list of {'role', 'content'} "
+            "messages, or a string: one user message)"
+        )
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        ok = (
+            isinstance(prompt, Sequence)
+            and prompt
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in prompt
+            )
+        )
+        if not ok:
+            raise UserError(
+                f"prompt {i}: a conversation is a non-empty list of {{'role', 'content'}} "
+                f"messages (or a string), not {type(prompt).__name__} {prompt!r:.60}"
+            )
+        out.append([dict(m) for m in prompt])
+    return out
 
 
 def _bucket(length: int) -> int:

@@ -44,6 +44,7 @@ from trainer.hf import names as names_lib
 from trainer.hf import safetensors_files, tokenizer_files
 from trainer.inference import export as export_lib
 from trainer.inference import loading
+from trainer.input import chat_template
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.workdir import run_config, storage
 
@@ -127,6 +128,9 @@ def _write(destination: epath.Path, source, dtype: str, max_shard_bytes: int) ->
     files = {
         hf_config.FILE: json.dumps(settings, indent=2).encode(),
         **tokenizer_files.files(tokenizer),  # refuses a tokenizer it cannot write
+        # The chat template a run fine-tuned with (its own file, which transformers'
+        # apply_chat_template and serving stacks read beside tokenizer_config.json's).
+        **source.template_files,
         hf_config.GENERATION_FILE: json.dumps(
             hf_config.generation_config(
                 bos_id=tokenizer.bos_id,
@@ -173,6 +177,7 @@ class _Run:
             if (directory / name).exists()
         }
         self.tokenizer = tokenizer_lib.tokenizer_from_files(kept, str(directory))
+        self.template_files = _template_files(kept)
 
     def close(self) -> None:
         if self._checkpoints is not None:
@@ -202,11 +207,21 @@ class _HuggingFace:
         self.model = loading.read_config(directory).model
         self.tokenizer = tokenizer_lib.load_text_tokenizer(directory)
         self._directory = directory
+        template = directory / chat_template.TEMPLATE_FILE
+        self.template_files = _template_files(
+            {template.name: template.read_bytes()} if template.exists() else {}
+        )
 
     def weights(self, tensors: dict[str, names_lib.Tensor], dtype: np.dtype):
         reader = safetensors_files.Reader(self._directory)
         hf_checkpoint.check_tensors(str(self._directory), reader, tensors)
         return ((t.name, reader.read(t.name).astype(dtype)) for t in tensors.values())
+
+
+def _template_files(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The chat template among a model's files (``chat_template.jinja``), if any."""
+    name = chat_template.TEMPLATE_FILE
+    return {name: files[name]} if name in files else {}
 
 
 def _weights(

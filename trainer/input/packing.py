@@ -199,6 +199,11 @@ class RowPlan:
             self._pending[following] = thread
         return self._plans[epoch]
 
+    def rows_in_epoch(self, epoch: int) -> int:
+        """How many rows epoch ``epoch`` holds."""
+        with self._lock:
+            return len(self._plan(epoch)[1]) - 1
+
     def rows(self, global_rows: np.ndarray) -> list[np.ndarray]:
         """The example indices of each global row, in packing order."""
         out = []

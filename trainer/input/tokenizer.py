@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import numpy as np
 import sentencepiece as spm
 
 from trainer import console
@@ -310,6 +311,17 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids`` (special tokens left out)."""
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` with no special token added, the text of a special token
+        becoming its id (as ``transformers`` tokenizes a rendered chat template), and
+        each token's ``[start, end)`` character offsets in ``text``."""
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token's text (``<|eot_id|>``), or None if it has none."""
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token (a special one's too: ``<s>``)."""
+
 
 SPM_FILE = "tokenizer.model"
 # A Hugging Face tokenizer's files, and the ids a model's generation stops at (kept
@@ -349,6 +361,49 @@ class SentencePieceTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         specials = {self.bos_id, self.eos_id, self._processor.pad_id()}
         return self._processor.decode([int(i) for i in ids if int(i) not in specials])
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        # SentencePiece reads "<s>" in a text as characters: the text is cut at the BOS
+        # and EOS pieces' strings, which become their ids, and the rest encoded between.
+        specials = {
+            self._processor.id_to_piece(i): i for i in (self.bos_id, self.eos_id) if i is not None
+        }
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        at = 0
+        while at <= len(text):
+            found = [(text.find(p, at), p) for p in specials if text.find(p, at) >= 0]
+            end, piece = min(found) if found else (len(text), None)
+            if end > at:
+                self._encode_span(text[at:end], at, ids, offsets)
+            if piece is None:
+                break
+            ids.append(specials[piece])
+            offsets.append((end, end + len(piece)))
+            at = end + len(piece)
+        return ids, offsets
+
+    def _encode_span(self, span: str, start: int, ids: list, offsets: list) -> None:
+        """Appends the ids of ``span`` (at ``start`` in its text) and their character
+        offsets, SentencePiece giving byte offsets into the UTF-8 of ``span``."""
+        encoded = span.encode("utf-8")
+        to_char = np.zeros(len(encoded) + 1, np.int64)
+        position = 0
+        for i, character in enumerate(span):
+            width = len(character.encode("utf-8"))
+            to_char[position : position + width] = i
+            position += width
+        to_char[len(encoded)] = len(span)
+        for piece in self._processor.encode(span, return_type="proto").pieces:
+            ids.append(piece.id)
+            offsets.append((start + int(to_char[piece.begin]), start + int(to_char[piece.end])))
+
+    def token_id(self, token: str) -> int | None:
+        found = self._processor.piece_to_id(token)
+        return None if found == self._processor.unk_id() else found
+
+    def piece(self, token_id: int) -> str:
+        return self._processor.id_to_piece(int(token_id))
 
 
 class HfTokenizer:
@@ -405,6 +460,16 @@ class HfTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(o) for o in encoding.offsets]
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def piece(self, token_id: int) -> str:
+        return self._tokenizer.id_to_token(int(token_id))
 
 
 def _json_object(files: dict[str, bytes], name: str, source: str) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from trainer.errors import ConfigError
-from trainer.input import imagenet, movielens, pipelines
+from trainer.input import chat_template, imagenet, movielens, pipelines
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.input import translation as translation_data
 from trainer.input.language import pipeline as language
@@ -55,7 +55,7 @@ FAMILIES = {
     "decoder": Family(
         language_model.make_task,
         language.make_language_data,
-        (tokenizer_lib.SPM_FILE, *tokenizer_lib.HF_FILES),
+        (tokenizer_lib.SPM_FILE, *tokenizer_lib.HF_FILES, chat_template.TEMPLATE_FILE),
     ),
     "bert": Family(
         masked_lm.make_task,

@@ -58,6 +58,8 @@ class Task:
         reported).
       run_files: files a run keeps in its work directory, name -> bytes, for
         what later works on the run alone (the tokenizer, for decoding).
+      rows_per_epoch: the training rows of one pass over the data, where the family
+        counts them (0: it does not; ``num_train_epochs`` is refused).
       input_record: what the training input is (files, sizes, a digest), JSON-able,
         recorded in the work directory for a resume to compare with
         (:mod:`trainer.training.resume_changes`); empty where there is nothing to say.
@@ -76,3 +78,4 @@ class Task:
     counts_tokens: bool = False
     run_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     input_record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rows_per_epoch: int = 0

@@ -55,6 +55,14 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
         raise ConfigError(f"model: {e}") from None
 
 
+def _run_files(data: pipeline_lib.LanguageData | None) -> dict[str, bytes]:
+    """What a run keeps of its input: the tokenizer, and a chat template it trained with."""
+    if data is None:
+        return {}
+    template = data.chat_template.files if data.chat_template is not None else {}
+    return {**data.tokenizer.files, **template}
+
+
 def make_task(
     config: ml_collections.ConfigDict, open_data: Callable[[], pipeline_lib.LanguageData] | None
 ) -> Task:
@@ -77,8 +85,8 @@ def make_task(
         samples = text_samples.continuations(
             decoder.Decoder(dataclasses.replace(eval_cfg, decode=True)),
             data.tokenizer,
-            data.held_out(config.eval_samples),
-            stop_ids=data.tokenizer.stop_ids,
+            data.samples(config.eval_samples),
+            stop_ids=data.stop_ids,
         )
     # Initial values are those of the unscanned model whatever model.scan_layers says.
     per_layer = decoder.Decoder(dataclasses.replace(cfg, scan_layers=False))
@@ -117,6 +125,7 @@ def make_task(
         evaluate_extra=samples,
         flops_per_example=length * decoder.train_flops_per_token(cfg, length),
         counts_tokens=True,
-        run_files=dict(data.tokenizer.files) if data is not None else {},
+        run_files=_run_files(data),
         input_record=data.input_record if data is not None else {},
+        rows_per_epoch=data.rows_per_epoch if data is not None else 0,
     )

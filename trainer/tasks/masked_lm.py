@@ -116,4 +116,5 @@ def make_task(
         counts_tokens=False,
         run_files=dict(data.tokenizer.files) if data is not None else {},
         input_record=data.input_record if data is not None else {},
+        rows_per_epoch=data.rows_per_epoch if data is not None else 0,
     )

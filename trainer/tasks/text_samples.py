@@ -16,26 +16,32 @@ from jax.experimental import multihost_utils
 from models import generate
 from trainer.tasks.base import HostEvaluation
 
-# A continuation's prompt: a held-out document's first tokens, at most this many (and
-# at most half of it), continued by at most NEW_TOKENS greedy tokens.
-PROMPT_TOKENS = 12
+# Tokens a sample continuation has at most.
 NEW_TOKENS = 16
 
 
 def continuations(
-    model, tokenizer, documents: Sequence[np.ndarray], *, stop_ids: Sequence[int]
+    model,
+    tokenizer,
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    stop_ids: Sequence[int],
+    new_tokens: int = NEW_TOKENS,
 ) -> Callable[..., HostEvaluation]:
     """``evaluate_extra(variables, to_global, to_local)``: the greedy continuation of
-    each of ``documents``' beginnings by ``model`` (a decoder with ``decode`` set),
-    with the held-out rest beside it.
+    each prompt of ``pairs`` by ``model`` (a decoder with ``decode`` set), with the
+    held-out continuation beside it.
 
     Args:
       model: the decoder, in its evaluation dtype, with a decoding cache.
       tokenizer: decodes ids to text.
-      documents: the held-out documents' tokens (BOS first where there is one).
-      stop_ids: the ids that end a continuation (EOS).
+      pairs: ``(prompt ids, held-out continuation ids)``: a document's beginning and
+        what follows (``documents.document_prompts``), or a conversation up to its last
+        answer, with the generation prompt, and that answer.
+      stop_ids: the ids that end a continuation (EOS, a chat template's end of turn).
+      new_tokens: tokens to generate at most.
     """
-    prompts = [doc[: max(1, min(PROMPT_TOKENS, len(doc) // 2))] for doc in documents]
+    prompts = [np.asarray(p) for p, _ in pairs]
     width = max((len(p) for p in prompts), default=1)
 
     @functools.cache
@@ -44,7 +50,7 @@ def continuations(
             functools.partial(
                 generate.generate,
                 model,
-                max_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
                 eos_id=tuple(stop_ids),
                 sampling=generate.Sampling(),
             )
@@ -77,9 +83,9 @@ def continuations(
         )
         out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
         samples = []
-        for r, (prompt, doc) in enumerate(zip(prompts, documents, strict=True)):
+        for r, (prompt, held_out) in enumerate(pairs):
             new = _until_stop(out[r].tolist(), stop_ids)
-            held_out = doc[len(prompt) : len(prompt) + NEW_TOKENS].tolist()
+            held_out = _until_stop(np.asarray(held_out).tolist(), stop_ids)
             samples.append(
                 f"{_text(tokenizer, prompt)} => {_text(tokenizer, new)} "
                 f"(held out: {_text(tokenizer, held_out)})"

@@ -11,6 +11,7 @@ ahead-of-time analysis and checkpoint restore all start from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer import console
 from trainer import tasks as tasks_lib
 from trainer.errors import ConfigError, floating_dtype
 from trainer.parallel import batches, precision
@@ -335,6 +337,7 @@ def build(
     """
     model = build_model(config, devices=devices, with_data=with_data)
     mesh, rules, task = model.mesh, model.rules, model.task
+    _steps_of_epochs(config, task)
     opt_cfg = config.optimizer
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -423,6 +426,33 @@ def build(
         params_to_logical=params_to_logical,
         from_logical=from_logical,
     )
+
+
+def _steps_of_epochs(config: ml_collections.ConfigDict, task: tasks_lib.Task) -> None:
+    """Sets ``num_train_steps`` from ``num_train_epochs`` (> 0) and the data's rows an
+    epoch (rounded up to whole loops of ``steps_per_loop``), and says so (process 0).
+
+    Raises:
+      ConfigError: the family does not count its rows an epoch.
+    """
+    epochs = config.num_train_epochs
+    if epochs <= 0 or task.train_data is None:
+        return
+    if task.rows_per_epoch <= 0:
+        raise ConfigError(
+            f"num_train_epochs={epochs}: {config.model.name} runs do not count their rows an "
+            "epoch; give num_train_steps instead"
+        )
+    steps = max(1, math.ceil(epochs * task.rows_per_epoch / config.global_batch_size))
+    # Whole compiled loops: a shorter last one would be a compile of its own.
+    steps = math.ceil(steps / config.steps_per_loop) * config.steps_per_loop
+    config.num_train_steps = steps
+    if jax.process_index() == 0:
+        console.say(
+            f"num_train_epochs={epochs:g}: {steps:,} steps of {config.global_batch_size} rows "
+            f"({task.rows_per_epoch:,} rows an epoch; rounded up to whole loops of "
+            f"steps_per_loop={config.steps_per_loop})"
+        )
 
 
 def _sharded_optimizer(

@@ -22,12 +22,15 @@ SCHEDULES = ("constant", "rsqrt", "cosine", "polynomial")
 
 
 def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> optax.Schedule:
-    """Learning-rate schedule with linear warm-up.
+    """Learning-rate schedule with linear warm-up (``warmup_steps``, or
+    ``warmup_ratio`` of ``num_train_steps``).
 
     ``rsqrt`` is the Transformer schedule: linear warm-up to ``learning_rate``
     over ``warmup_steps``, then ``learning_rate * sqrt(warmup_steps / step)``.
     """
     peak, warmup = config.learning_rate, config.warmup_steps
+    if config.warmup_ratio > 0:
+        warmup = round(config.warmup_ratio * num_train_steps)
     name = config.schedule
     if name == "constant":
         decay = optax.constant_schedule(peak)
@@ -57,8 +60,10 @@ def describe(config: ml_collections.ConfigDict, param_views, num_train_steps: in
     name = config.name
     parts = [f"optimizer {name}: learning rate {config.learning_rate:.3g}"]
     schedule = config.schedule
-    if config.warmup_steps > 0:
-        schedule += f" after {config.warmup_steps:,} warm-up steps"
+    warmup = round(config.warmup_ratio * num_train_steps) if config.warmup_ratio > 0 else 0
+    warmup = warmup or config.warmup_steps
+    if warmup > 0:
+        schedule += f" after {warmup:,} warm-up steps"
     if config.schedule in ("cosine", "polynomial"):
         schedule += f" to {config.end_learning_rate:.3g} at step {num_train_steps:,}"
     parts.append(schedule)

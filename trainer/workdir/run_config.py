@@ -49,12 +49,20 @@ def from_json(text: str) -> ml_collections.ConfigDict:
     if not isinstance(value, dict):
         raise ValueError(f"a JSON {type(value).__name__}, not an object")
     config = _typed(value)
-    # A run made before a common key existed (configs/common.py) gets its default.
-    defaults = common.base_config()
+    # A run made before a common key existed (configs/common.py) gets its default, at
+    # any depth (optimizer.warmup_ratio in a recorded optimizer section).
+    _fill(config, common.base_config())
+    return config
+
+
+def _fill(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
     for key in defaults:
         if key not in config:
             config[key] = defaults[key]
-    return config
+        elif isinstance(defaults[key], ml_collections.ConfigDict) and isinstance(
+            config[key], ml_collections.ConfigDict
+        ):
+            _fill(config[key], defaults[key])
 
 
 def _saved_with_checkpoint(workdir: str) -> tuple[int, ml_collections.ConfigDict] | None:

@@ -61,6 +61,22 @@ def hold_out(count: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarra
     return np.sort(drawn[held:]), np.sort(drawn[:held])
 
 
+# A continuation's prompt: a held-out document's first tokens, at most this many (and
+# at most half of it), then the SAMPLE_TOKENS a sample's continuation is shown beside.
+PROMPT_TOKENS = 12
+SAMPLE_TOKENS = 16
+
+
+def document_prompts(documents: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(prompt, held-out continuation)`` of each document: its first tokens (at most
+    :data:`PROMPT_TOKENS`, at most half of it) and the next :data:`SAMPLE_TOKENS`."""
+    out = []
+    for doc in documents:
+        cut = max(1, min(PROMPT_TOKENS, len(doc) // 2))
+        out.append((doc[:cut], doc[cut : cut + SAMPLE_TOKENS]))
+    return out
+
+
 def check_vocabulary(tokenizer, vocab_size: int) -> None:
     """Raises ConfigError if ``tokenizer``'s ids would fall outside an embedding table
     of ``vocab_size`` rows (a table larger than the tokenizer, as Qwen2's, is fine)."""

@@ -8,16 +8,29 @@ import dataclasses
 import numpy as np
 
 from trainer.input import order
-from trainer.input.language.stream import DocumentStream, fill_rows
+from trainer.input.language.stream import fill_rows
 from trainer.input.options import DataOptions
 
 Batch = dict[str, np.ndarray]
 
 
-def decoder_batch(tokens: np.ndarray, segments: np.ndarray, positions: np.ndarray) -> Batch:
+def decoder_batch(
+    tokens: np.ndarray,
+    segments: np.ndarray,
+    positions: np.ndarray,
+    counted: np.ndarray | None = None,
+) -> Batch:
     """A decoder's features from rows of ``L + 1`` tokens: each token's target is the
-    next one, counted only inside its own document."""
+    next one, counted only inside its own document, and only where ``counted`` (bool
+    [rows, L + 1], e.g. a conversation's answer tokens) says the target is learnt.
+
+    The loss is the mean over the batch's counted targets (``weights`` summed over
+    the global batch, as for pre-training): every answer token weighs the same, so a
+    short answer counts for its few tokens, not for a row's or a conversation's share.
+    """
     weights = (segments[:, :-1] == segments[:, 1:]) & (segments[:, :-1] > 0)
+    if counted is not None:
+        weights &= counted[:, 1:]
     return {
         "inputs": tokens[:, :-1],
         "targets": tokens[:, 1:],
@@ -78,7 +91,7 @@ class Masking:
 class TrainBatchFn:
     """This process's rows of a global training batch (picklable for worker processes)."""
 
-    def __init__(self, documents, plan: DocumentStream, opts: DataOptions, masking: Masking | None):
+    def __init__(self, documents, plan, opts: DataOptions, masking: Masking | None):
         self.documents, self.plan, self.opts, self.masking = documents, plan, opts, masking
 
     def __call__(self, batch_index: int) -> Batch:
@@ -89,12 +102,21 @@ class TrainBatchFn:
         return rows_batch(rows, self.plan, self.documents, self.masking)
 
 
-def rows_batch(rows: np.ndarray, plan: DocumentStream, documents, masking: Masking | None) -> Batch:
-    """The features of global rows ``rows`` (all real rows)."""
+def rows_batch(rows: np.ndarray, plan, documents, masking: Masking | None) -> Batch:
+    """The features of global rows ``rows`` (all real rows) of ``plan`` (a
+    :class:`~.stream.DocumentStream` or :class:`~.stream.PackedDocuments`); documents
+    with loss masks
+    (conversations: ``tokens_and_masks``) count only their masked tokens."""
     pieces = [plan.pieces(r) for r in rows.tolist()]
     needed = sorted({doc for row in pieces for doc, _, _ in row})
-    tokens = dict(zip(needed, documents.tokens(needed), strict=True))
-    filled = fill_rows(pieces, tokens, plan.row_tokens)
+    masks = None
+    if hasattr(documents, "tokens_and_masks"):
+        pairs = documents.tokens_and_masks(needed)
+        tokens = {d: ids for d, (ids, _) in zip(needed, pairs, strict=True)}
+        masks = {d: mask for d, (_, mask) in zip(needed, pairs, strict=True)}
+    else:
+        tokens = dict(zip(needed, documents.tokens(needed), strict=True))
+    *filled, counted = fill_rows(pieces, tokens, plan.row_tokens, masks)
     if masking is not None:
         return masking(rows, *filled)
-    return decoder_batch(*filled)
+    return decoder_batch(*filled, counted)

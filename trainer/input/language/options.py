@@ -29,6 +29,8 @@ class LanguageOptions:
         eval_files "": hold out ``eval_holdout`` of the training documents instead.
       eval_holdout: the share of the training documents held out for evaluation when
         no eval_files are given.
+      train_on_prompts: conversations (``data.name="chat"``): the loss counts every
+        token, not only the answers'.
       document: how a ``.txt`` file holds documents (``line`` | ``blank_line``).
       text_field: the JSON key / Parquet column of the text.
       tokenizer: a SentencePiece ``.model``, a ``tokenizer.json`` or a directory with
@@ -52,6 +54,7 @@ class LanguageOptions:
     num_eval_rows: int
     tokenized_dir: str
     eval_holdout: float = 0.01
+    train_on_prompts: bool = False
     masked: bool = False
     mask_rate: float = 0.15
     max_predictions: int = 20
@@ -77,6 +80,8 @@ def read_options(config: Any) -> LanguageOptions:
     values = options.read(config, keys)
     if "eval_holdout" in config:  # runs recorded before the key existed hold out 1%
         values |= options.read(config, {"eval_holdout": float})
+    if "train_on_prompts" in config:  # chat data
+        values |= options.read(config, {"train_on_prompts": bool})
     if "masked" in config:
         values |= options.read(config, {"masked": bool, "mask_rate": float, "max_predictions": int})
     lm = LanguageOptions(**values)

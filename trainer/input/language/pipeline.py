@@ -14,13 +14,15 @@ import numpy as np
 
 from trainer import console
 from trainer.errors import ConfigError
+from trainer.input import chat_template as chat_template_lib
 from trainer.input import corpus, feed, options, order, text_files, token_store
 from trainer.input import tokenizer as tokenizer_lib
 from trainer.input.builders import tiny_text
+from trainer.input.language import chat
 from trainer.input.language import documents as documents_lib
 from trainer.input.language.features import Batch, Masking, TrainBatchFn, decoder_batch, rows_batch
 from trainer.input.language.options import SYNTHETIC, LanguageOptions, read_options
-from trainer.input.language.stream import DocumentStream
+from trainer.input.language.stream import DocumentStream, PackedDocuments
 from trainer.input.options import DataOptions
 from trainer.workdir import storage
 
@@ -35,15 +37,24 @@ class LanguageData:
       tokenizer: the run's tokenizer.
       input_record: what the training documents are (their files, bytes and count,
         and a digest of their contents), recorded for a resume to compare.
-      held_out: ``n`` -> the first ``n`` eval documents' tokens (samples of what the
-        model learnt; none for random tokens).
+      samples: ``n`` -> up to ``n`` ``(prompt ids, held-out continuation ids)`` of
+        eval documents, to show what the model learnt (none for random tokens): a
+        document's beginning and what follows, or a conversation up to its last
+        answer (with the generation prompt) and that answer.
+      chat_template: the template conversations are rendered with (chat data only).
+      stop_ids: the ids a generated continuation ends at (EOS; a chat template's end
+        of turn too).
+      rows_per_epoch: the training rows of one pass over the documents (0: endless).
     """
 
     train: feed.TrainBatches
     eval_batches: Callable[[], Iterable[Batch]]
     tokenizer: tokenizer_lib.TextTokenizer
     input_record: dict = dataclasses.field(default_factory=dict)
-    held_out: Callable[[int], list[np.ndarray]] = lambda n: []
+    samples: Callable[[int], list[tuple[np.ndarray, np.ndarray]]] = lambda n: []
+    chat_template: chat_template_lib.ChatTemplate | None = None
+    stop_ids: tuple[int, ...] = ()
+    rows_per_epoch: int = 0
 
 
 def _on_tiny_text(lm: LanguageOptions, data_dir: str) -> LanguageOptions:
@@ -70,12 +81,15 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
     lm = read_options(data_config)
     if opts.name == SYNTHETIC:
         return _synthetic(lm, opts)
+    if opts.name == chat.NAME:
+        return _chat_data(lm, opts)
     if opts.name == tiny_text.DATASET_NAME:
         lm = _on_tiny_text(lm, opts.data_dir)
     elif opts.name != text_files.NAME:
         raise ConfigError(
             f"data.name={opts.name!r}: a language model reads '{text_files.NAME}' (your "
-            f"files), '{tiny_text.DATASET_NAME}' (the embedded corpus) or '{SYNTHETIC}'"
+            f"files), '{chat.NAME}' (your conversations), '{tiny_text.DATASET_NAME}' (the "
+            f"embedded corpus) or '{SYNTHETIC}'"
         )
     tokenizer, train_docs, eval_docs, record = _documents(lm, opts)
     documents_lib.check_tokenizer(tokenizer, lm)
@@ -108,7 +122,76 @@ def make_language_data(data_config: Any, opts: DataOptions) -> LanguageData:
         evals,
         tokenizer,
         record,
-        lambda n: eval_docs.tokens(range(min(n, len(eval_docs.lengths)))),
+        lambda n: documents_lib.document_prompts(
+            eval_docs.tokens(range(min(n, len(eval_docs.lengths))))
+        ),
+        stop_ids=tuple(tokenizer.stop_ids),
+        rows_per_epoch=plan.rows_per_epoch if train_docs is not None else 0,
+    )
+
+
+def _chat_data(lm: LanguageOptions, opts: DataOptions) -> LanguageData:
+    """Conversations (:mod:`trainer.input.language.chat`) rendered with the model's chat
+    template, whole ones packed into rows, the loss on their answers."""
+    if not lm.tokenizer:
+        raise ConfigError(
+            f"data.name='{chat.NAME}' renders conversations with the model's chat template: "
+            "name its tokenizer's directory, data.tokenizer=DIR (configs/llama.py:hf=DIR,chat "
+            "does)"
+        )
+    tokenizer = tokenizer_lib.load_text_tokenizer(lm.tokenizer)
+    specials = {
+        f"{name}_token": tokenizer.piece(i)
+        for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
+        if i is not None
+    }
+    template = chat_template_lib.load_chat_template(lm.tokenizer, specials)
+    encoder = chat.ChatEncoder(template, tokenizer, lm.train_on_prompts)
+    conversations = chat.read_conversations(lm.train_files, "data.train_files")
+    record = _input_record(conversations.files, conversations.digest, len(conversations))
+    if lm.eval_files:
+        _check_apart(lm)
+        held = chat.read_conversations(lm.eval_files, "data.eval_files")
+    else:
+        train, held_indices = _hold_out(len(conversations), lm, opts, "conversations")
+        conversations, held = (
+            _conversation_subset(conversations, indices, f"{lm.eval_holdout}-{opts.seed}-{p}")
+            for p, indices in (("train", train), ("held", held_indices))
+        )
+    docs = {}
+    for key, part in (("data.train_files", conversations), ("data.eval_files", held)):
+        counts = chat.conversation_lengths(opts.data_dir, part, encoder)
+        docs[key] = chat.ChatDocuments(part, encoder, counts, lm.max_length, key)
+    train_docs, eval_docs = docs["data.train_files"], docs["data.eval_files"]
+    row_tokens = lm.max_length + 1
+    plan = PackedDocuments(train_docs.lengths, row_tokens, opts.seed)
+    train = feed.TrainBatches(TrainBatchFn(train_docs, plan, opts, None), opts)
+    evals = _eval_batches(
+        eval_docs, PackedDocuments(eval_docs.lengths, row_tokens, None), lm, opts, None
+    )
+    end_of_turn = tokenizer.token_id(template.end_of_turn())
+    stops = tuple(dict.fromkeys([*tokenizer.stop_ids, *([end_of_turn] if end_of_turn else [])]))
+
+    def samples(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for j in range(min(n, len(eval_docs.lengths))):
+            messages = eval_docs.conversations[int(eval_docs.index[j])].messages
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            answer, _ = tokenizer.encode_offsets(messages[last]["content"])
+            out.append((encoder.prompt_ids(messages[:last]), np.asarray(answer, np.int32)))
+        return out
+
+    return LanguageData(
+        train, evals, tokenizer, record, samples, template, stops, plan.rows_per_epoch
+    )
+
+
+def _conversation_subset(conversations: chat.Conversations, indices, tag: str):
+    """Some of ``conversations``, with a digest of its own (it names their caches)."""
+    return dataclasses.replace(
+        conversations,
+        items=[conversations.items[int(i)] for i in indices],
+        digest=hashlib.sha256(f"{conversations.digest}/{tag}".encode()).hexdigest()[:16],
     )
 
 
@@ -181,11 +264,11 @@ def _store_digest(store: token_store.TokenStore) -> str:
     return hashlib.sha256(json.dumps(store.manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _hold_out(count: int, lm: LanguageOptions, opts: DataOptions):
+def _hold_out(count: int, lm: LanguageOptions, opts: DataOptions, what: str = "documents"):
     train, held = documents_lib.hold_out(count, lm.eval_holdout, opts.seed)
     if opts.process_index == 0:
         console.say(
-            f"evaluating on {len(held):,} of the {count:,} documents of data.train_files, "
+            f"evaluating on {len(held):,} of the {count:,} {what} of data.train_files, "
             f"held out ({lm.eval_holdout:.1%}, data.eval_holdout; or give data.eval_files)"
         )
     return train, held

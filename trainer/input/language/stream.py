@@ -8,6 +8,7 @@ import threading
 import numpy as np
 
 from trainer.errors import ConfigError
+from trainer.input import packing
 
 _STREAM_SEED = 0  # the training stream's key; eval rows are in file order
 
@@ -80,9 +81,41 @@ class DocumentStream:
         ]
 
 
-def fill_rows(rows: list[list[tuple[int, int, int]]], tokens: dict[int, np.ndarray], width: int):
-    """``(tokens, segmentation, positions)`` int32 [rows, width] of rows of pieces."""
+class PackedDocuments:
+    """Global row -> whole documents (never cut: a conversation with the answers it
+    learns), packed first-fit into rows of ``row_tokens`` from a seeded order of them,
+    shuffled anew each epoch (:class:`trainer.input.packing.RowPlan`); picklable.
+
+    Args:
+      lengths: each document's tokens (at most ``row_tokens``).
+      row_tokens: tokens a row holds.
+      seed: of the order (the same for every epoch's eval rows: ``None`` -> 0).
+    """
+
+    def __init__(self, lengths: np.ndarray, row_tokens: int, seed: int | None):
+        self.lengths = np.asarray(lengths, np.int64)
+        self.row_tokens = row_tokens
+        both = np.stack([self.lengths, np.zeros_like(self.lengths)], axis=1)
+        self._plan = packing.RowPlan(both, row_tokens, True, seed or 0, "document")
+        self.rows_per_epoch = self._plan.rows_in_epoch(0)
+
+    def pieces(self, row: int) -> list[tuple[int, int, int]]:
+        """``(document, 0, its length)`` of each document of global row ``row``."""
+        (documents,) = self._plan.rows(np.asarray([row]))
+        return [(int(d), 0, int(self.lengths[d])) for d in documents]
+
+
+def fill_rows(
+    rows: list[list[tuple[int, int, int]]],
+    tokens: dict[int, np.ndarray],
+    width: int,
+    masks: dict[int, np.ndarray] | None = None,
+):
+    """``(tokens, segmentation, positions, counted)`` [rows, width] of rows of pieces:
+    int32, and bool ``counted`` True where a token is one the loss learns (every real
+    token, or where ``masks``, per document, say so; padding never)."""
     out = [np.zeros((len(rows), width), np.int32) for _ in range(3)]
+    counted = np.zeros((len(rows), width), bool)
     for r, pieces in enumerate(rows):
         at = 0
         for segment, (doc, begin, end) in enumerate(pieces, start=1):
@@ -90,5 +123,6 @@ def fill_rows(rows: list[list[tuple[int, int, int]]], tokens: dict[int, np.ndarr
             out[0][r, at : at + n] = tokens[doc][begin:end]
             out[1][r, at : at + n] = segment
             out[2][r, at : at + n] = np.arange(n)
+            counted[r, at : at + n] = True if masks is None else masks[doc][begin:end]
             at += n
-    return tuple(out)
+    return (*out, counted)
