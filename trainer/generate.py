@@ -19,7 +19,7 @@ JSON list of ``{"role", "content"}`` messages, rendered with the model's chat te
 
 Example:
 python -m trainer.generate --workdir /tmp/lm --max_new_tokens 24 < prompts.txt
-echo "What is 2 + 3?" | python -m trainer.generate --workdir /tmp/sft --chat
+python -m trainer.generate --workdir /tmp/sft --chat < questions.txt
 """
 
 from __future__ import annotations

@@ -303,8 +303,8 @@ def test_repeated_token_embedding_gradient_accumulates_in_f32():
     emb = transformer.Embedding(64, 32, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     weights = jnp.linspace(-1, 1, 32, dtype=jnp.float32).astype(jnp.bfloat16)
 
-    def loss_fn(variables, batch, rng, train):
-        del rng, train
+    def loss_fn(variables, batch, rng, train, layer_weights=()):
+        del rng, train, layer_weights
         out = emb.apply(variables, batch["ids"]).astype(jnp.float32) * weights
         return jnp.sum(out), ({"weight": jnp.ones(())}, {})
 
