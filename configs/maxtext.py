@@ -23,6 +23,14 @@ Variants: ``tiny`` (the architecture, small, learning on CPU), ``v5e-16b``,
 ``v5p-32b``, ``v5p-64b`` (v5p-128: 64 chips), and ``slices=N`` (N slices, data
 parallel over the data-center network, as MaxText's ``dcn_data_parallelism``: the
 global batch is N times one slice's).
+
+``today`` (with ``v5e-16b`` or ``v5e-32b``): the model MaxText 0.2.5's own
+``configs/tpu/v5e/16b.sh`` and ``32b.sh`` build today, to compile beside MaxText's
+``train_compile`` of them (docs/aot.md, "One compiler, two programs"): its base.yml's
+Llama-2 block (RMSNorm, RoPE of base 10,000, SwiGLU, multi-head attention of head dim
+128, an untied table of 32,000) scaled by ``global_parameter_scale`` 16 or 32 as its
+``types.get_individual_scales`` does (16: d 4096, 64 heads, MLP 28,672, 32 layers,
+15.8B parameters; 32: d 8192), the same batch, remat, flash attention and flags.
 """
 
 import ml_collections
@@ -37,6 +45,7 @@ VARIANTS = {
     "v5e-128b": "MaxText's 128B (129.19B) on a v5e-256 slice, FSDP 16 x tensor 16: 1 row a chip",
     "v5p-32b": "MaxText's 32B on a v5p-128 slice (64 chips), tensor 4: 8 rows a chip",
     "v5p-64b": "MaxText's 64B on a v5p-128 slice (64 chips), tensor 4: 4 rows a chip",
+    "today": "with v5e-16b or v5e-32b: the model MaxText 0.2.5's 16b.sh / 32b.sh build today",
 }
 
 # global_parameter_scale -> (layers, emb, mlp, heads): base 16/2560/8192/8 scaled as
@@ -47,6 +56,9 @@ SCALES = {
     64: (64, 10240, 32768, 32),
     128: (64, 10240, 65536, 64),
 }
+# global_parameter_scale -> (layers, emb, mlp, heads) of MaxText 0.2.5's base.yml (16
+# layers, d 2048, MLP 7168, 16 heads of 128) scaled by its types.get_individual_scales.
+SCALES_TODAY = {16: (32, 4096, 28672, 64), 32: (32, 8192, 28672, 64)}
 # variant -> (scale, chips in a slice, rows a chip, remat, tensor parallelism, the
 # MFU MaxText measured on one slice and, where published, on two).
 RUNS = {
@@ -93,21 +105,25 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
         raise ValueError(f"name one of {', '.join(RUNS)} (got {variant!r})")
     scale, chips, rows, remat, tensor, _, _ = RUNS[runs[0]]
     slices = int(options.get("slices", 1))
-    layers, emb, mlp, heads = SCALES[scale]
+    today = "today" in parts
+    if today and scale not in SCALES_TODAY:
+        raise ValueError(f"today: MaxText 0.2.5's v5e-16b or v5e-32b (got {variant!r})")
+    layers, emb, mlp, heads = (SCALES_TODAY if today else SCALES)[scale]
+    vocab = 32_000 if today else 32_768
     config = llama.get_config("synthetic")
     config.model.update(
-        vocab_size=32_768,
+        vocab_size=vocab,
         num_layers=layers,
         emb_dim=emb,
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=256,
+        head_dim=128 if today else 256,
         mlp_dim=mlp,
-        mlp_activation="relu",
-        parallel_block=True,
-        tie_embeddings=True,
+        mlp_activation="swiglu" if today else "relu",
+        parallel_block=not today,
+        tie_embeddings=not today,
         rope_scaling_factor=0.0,
-        rms_norm_eps=1e-6,
+        rms_norm_eps=1e-5 if today else 1e-6,
         max_len=LENGTH,
         remat=remat,
         # MaxText's attention='flash'. The kernel runs per device, in the replicas'
@@ -115,7 +131,9 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
         # would need a shard_map over the model axis too: there XLA's attention runs.
         attention="flash" if tensor == 1 else "dot",
     )
-    config.data.update(max_length=LENGTH, vocab_size=32_768)
+    if today:
+        config.model.rope_theta = 10_000.0  # base.yml's rope_max_timescale
+    config.data.update(max_length=LENGTH, vocab_size=vocab)
     config.global_batch_size = rows * chips * slices
     config.mesh.axes = ml_collections.ConfigDict({"data": -1, "model": tensor})
     config.mesh.dcn_axes = ml_collections.ConfigDict({"data": slices, "model": 1})

@@ -1,12 +1,13 @@
 """Our estimates held against measurements no one here made: MaxText's published MFU
 (v5e-256, v5p-128) and the weight-update-sharding paper's Transformer-big step times.
 
-  python scripts/published.py --out /tmp/published [--force] [--only v5e-32b,...]
+  python scripts/published.py --out /tmp/published [--force] [--only v5e-32b,...] [--timeout S]
 
 Each point is compiled with ``python -m trainer.aot`` on the topology it was measured
-on (one at a time: a 128B model on 256 chips takes minutes and GiBs), its JSON kept in
-``--out`` (re-runs reuse it unless ``--force``); then the Markdown table of docs/aot.md
-is printed. MaxText's points run ``per_layer`` over the whole slice, as MaxText's FSDP
+on (one at a time: a 128B model on 256 chips takes minutes and GiBs; a point not done
+in ``--timeout`` seconds is reported as such), its JSON and optimized HLO kept in
+``--out`` (re-runs reuse them unless ``--force``); then the Markdown table of
+docs/aot.md is printed. MaxText's points run ``per_layer`` over the whole slice, as MaxText's FSDP
 does (``ici_fsdp_parallelism=-1``: each layer's weights gathered in the scan); ``none``,
 ``wus`` and ``fsdp`` cannot hold these models (``--modes auto`` on one of them says so
 and why). Nothing here is fitted to the measurements: the estimate is the cost
@@ -33,7 +34,9 @@ sys.path.insert(0, REPO)
 from configs import maxtext  # noqa: E402
 from trainer.parallel import hardware  # noqa: E402
 
-PEAK = {"v5e": 197e12, "v5p": 459e12}
+# bf16 peak a chip, Google Cloud's TPU pages (v6e: 918 TFLOPS, for v6e points and
+# MaxText's v6e tables).
+PEAK = {"v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 MODE = "per_layer"  # MaxText's FSDP
 # name: (variant, topology, slices)
 POINTS = {
@@ -66,7 +69,14 @@ def maxtext_flops(variant: str, slices: int) -> float:
 
 
 def compile_point(
-    out: str, name: str, config: str, topology: str, slices: int, modes: str, force: bool
+    out: str,
+    name: str,
+    config: str,
+    topology: str,
+    slices: int,
+    modes: str,
+    force: bool,
+    timeout: float | None = None,
 ) -> dict:
     path = os.path.join(out, f"{name}.json")
     if force or not os.path.exists(path):
@@ -78,12 +88,18 @@ def compile_point(
             f"--topology={topology}",
             f"--modes={modes}",
             f"--json={path}",
+            f"--hlo={os.path.join(out, name + '-hlo')}",  # the programs, for anyone to recount
         ]
         if slices > 1:
             command.append(f"--num_slices={slices}")
         log = os.path.join(out, f"{name}.log")
         with open(log, "w") as f:
-            result = subprocess.run(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            try:
+                result = subprocess.run(
+                    command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+                )
+            except subprocess.TimeoutExpired:
+                return {"error": f"not compiled in {timeout:.0f} s (the log: {log})"}
         if result.returncode:
             return {"error": _last_error(log)}
     with open(path) as f:
@@ -120,8 +136,10 @@ def table(results: dict) -> str:
         est = chosen["est_step_time_s"]
         flops = maxtext_flops(variant, slices)
         peak = PEAK[topology.split(":")[0]]
-        # Today's figure (trainer/parallel/hardware.py), not the one a cached JSON kept.
-        capacity = hardware.ACCELERATORS[topology.split(":")[0]].hbm_bytes(1)
+        # What libtpu let the program use (its budget), else the published figure.
+        capacity = chosen.get("hbm_capacity_bytes") or hardware.ACCELERATORS[
+            topology.split(":")[0]
+        ].hbm_bytes(1)
         mfu = {k: flops / (est[k] * peak) for k in ("overlap", "no_overlap")}
         rows.append(
             f"| {name} | {measured:.2%} | {chosen['mode']} | "
@@ -148,6 +166,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated point names (and paper)")
+    parser.add_argument("--timeout", type=float, default=2700, help="seconds a point may take")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     wanted = [n for n in args.only.split(",") if n] or [*POINTS, "paper"]
@@ -156,13 +175,13 @@ def main() -> None:
         if name == "paper":
             config, topology, _ = PAPER
             results["paper"] = compile_point(
-                args.out, "paper", config, topology, 1, "none,wus", args.force
+                args.out, "paper", config, topology, 1, "none,wus", args.force, args.timeout
             )
         else:
             variant, topology, slices = POINTS[name]
             config = f"configs/maxtext.py:{variant},slices={slices}"
             results[name] = compile_point(
-                args.out, name, config, topology, slices, MODE, args.force
+                args.out, name, config, topology, slices, MODE, args.force, args.timeout
             )
         print(f"{name}: {'failed' if 'error' in results[name] else 'compiled'}", flush=True)
     print(table(results))

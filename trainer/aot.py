@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 
 from absl import flags
 from ml_collections import config_flags
@@ -56,7 +57,18 @@ _MODES = flags.DEFINE_list(
 )
 _JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
 _HLO = flags.DEFINE_string("hlo", None, "Write each mode's optimized HLO text into this directory.")
-flags.mark_flags_as_required(["config", "topology"])
+_PROGRAM = flags.DEFINE_string(
+    "program",
+    None,
+    "Instead of compiling --config, read this optimized TPU program (an XLA dump's "
+    "*.after_codegen.txt: another framework's, or ours) and apply the same cost model "
+    "(trainer/analysis/program.py); its *-memory-usage-report.txt and *-live-range.txt "
+    "beside it are read where they exist.",
+)
+_STEPS_PER_RUN = flags.DEFINE_integer(
+    "steps_per_run", 1, "With --program: the training steps one run of it takes (its K)."
+)
+flags.mark_flags_as_required(["topology"])
 
 
 def _gib(n: float) -> float:
@@ -85,6 +97,13 @@ def report(results: dict[str, dict]) -> None:
         print(f"  HBM bytes per step         {r['bytes_accessed_per_step']:14.4e}")
         print(f"  XLA optimal_seconds        {r['xla_optimal_seconds'] * 1e3:10.3f} ms")
         print(f"  whole-program roofline     {r['roofline_seconds'] * 1e3:10.3f} ms")
+        # The program's own matmuls and kernels, every layer's (step_cost.py, program.py).
+        print(f"  matmul FLOPs, the program  {r['dot_flops_per_step']:14.4e}", end="")
+        short = r["matmul_shortfall_flops_per_step"]
+        print(f" (XLA's figure {short:.3e} below: added at peak)" if short else "")
+        print(f"  flash backward FLOPs       {r['uncosted_flops_per_step']:14.4e} (at peak)")
+        print(f"  kernel roofline            {r['program_compute_s'] * 1e3:10.3f} ms")
+        print(f"  of it outside fwd and bwd  {r['update_compute_s'] * 1e3:10.3f} ms (the update)")
         counts: dict[tuple, list] = {}
         for c in r["collectives"]:
             if c["per_step"]:
@@ -168,8 +187,13 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_enable_compilation_cache", False)
     from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
 
+    if _PROGRAM.value:
+        with cli.clear_errors():
+            _read_program(_PROGRAM.value, _TOPOLOGY.value, _STEPS_PER_RUN.value)
+        return
     config = _CONFIG.value
-    results = {}
+    if config is None:
+        cli.fail("name a run to compile (--config) or a compiled program to read (--program)")
     known = (*MODES, "auto")
     # Everything the user can get wrong is checked before minutes of compiling.
     if not _MODES.value:
@@ -189,36 +213,99 @@ def main(argv: list[str]) -> None:
         )
     with cli.clear_errors():
         json_out = storage.output_file(_JSON.value, "--json") if _JSON.value else None
-        if _HLO.value:
-            storage.make_directory(_HLO.value, "--hlo")
+        hlo_dir = storage.make_directory(_HLO.value, "--hlo") if _HLO.value else None
         devices = compiled_lib.topology_devices(_TOPOLOGY.value, slices)
-        where = f"{len(devices)} {devices[0].device_kind} devices ({_TOPOLOGY.value}"
-        where += f" x {slices} slices)" if slices > 1 else ")"
-        for mode in _MODES.value:
-            if mode == "auto":
-                console.say("update_sharding=auto candidates:")
-                _, _, results["auto"] = compiled_lib.choose_update_sharding(
-                    config, devices, console.say
-                )
-                continue
+        results = compile_modes(config, devices, _MODES.value, json_out, hlo_dir)
+    report(results)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2))
+
+
+def _read_program(location: str, topology: str, steps_per_run: int) -> None:
+    """The cost model on a program known by its text (``--program``)."""
+    from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
+    from trainer.analysis import program  # noqa: PLC0415
+    from trainer.parallel import hardware  # noqa: PLC0415
+    from trainer.parallel import mesh as mesh_lib  # noqa: PLC0415
+
+    text = storage.path(location).read_text()
+    beside = {}
+    for suffix in ("memory-usage-report", "live-range"):
+        sibling = re.sub(r"after_\w+\.txt$", f"after_optimizations-{suffix}.txt", location)
+        if sibling != location and storage.path(sibling).exists():
+            beside[suffix] = storage.path(sibling).read_text()
+    devices = compiled_lib.topology_devices(topology)
+    # Partition ids in our mesh's (physical) order: what our programs use (program.py).
+    mesh = mesh_lib.make_mesh({"data": -1}, {"data": 1}, devices=devices)
+    r = program.analyze_program(
+        text,
+        list(mesh.devices.flat),
+        hardware.lookup(devices[0].device_kind),
+        steps_per_run=steps_per_run,
+        memory_usage_report=beside.get("memory-usage-report"),
+        live_range=beside.get("live-range"),
+    )
+    print(f"\n== {location} ({r['num_devices']} x {r['device_kind']}, K={steps_per_run}) ==")
+    print(f"  compute (roofline of its kernels)  {r['compute_s'] * 1e3:12.2f} ms")
+    print(f"  matmul + attention FLOPs a step    {r['flops_per_step']:12.4e}")
+    print(f"  kernel HBM bytes a step            {r['bytes_per_step']:12.4e}")
+    for kind, row in sorted(r["collectives"].items()):
+        print(
+            f"  {kind:<22} {row['count']:8.1f} a step ({row['async']:.0f} async), "
+            f"{row['bytes'] / 2**30:8.2f} GiB"
+        )
+    for assumption, e in r["est_step_time_s"].items():
+        print(
+            f"  step, {assumption:<14} {e['no_overlap'] * 1e3:10.2f} ms (collectives "
+            f"{e['collectives'] * 1e3:.2f} ms, {e['hidden'] * 1e3:.2f} ms hidden by the schedule)"
+        )
+    if r["hbm_heap_bytes"]:
+        print(f"  XLA's heap                        {_gib(r['hbm_heap_bytes']):9.3f} GiB")
+    if r["live_at_peak"]:
+        print(f"  live at its peak                  {_gib(r['live_at_peak_bytes']):9.3f} GiB:")
+        for what, size in r["live_at_peak"][:8]:
+            print(f"    {_mib(size):>14}  {what[-100:]}")
+    if _JSON.value:
+        storage.output_file(_JSON.value, "--json").write_text(json.dumps(r, indent=2))
+
+
+def compile_modes(config, devices: list, modes: list[str], json_out=None, hlo_dir=None) -> dict:
+    """Compiles and analyses ``config`` on ``devices`` in each of ``modes`` (or
+    ``auto``), one after another; returns ``{mode: its figures}``.
+
+    Each mode's files are written as soon as they exist, so that a run stopped after
+    hours keeps what it had: ``hlo_dir/<mode>.hlo.txt`` once the program is compiled
+    (before its twins), the JSON of every mode done so far once its figures are.
+    ``json_out`` and ``hlo_dir`` are paths (:mod:`trainer.workdir.storage`) or None.
+    """
+    from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
+
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    where = f"{len(devices)} {devices[0].device_kind} devices"
+    where += f" ({slices} slices)" if slices > 1 else ""
+    results = {}
+    for mode in modes:
+        if mode == "auto":
+            console.say("update_sharding=auto candidates:")
+            _, _, results["auto"] = compiled_lib.choose_update_sharding(
+                config, devices, console.say
+            )
+            results["auto"].pop("hlo", None)
+        else:
+            write_hlo = (hlo_dir / f"{mode}.hlo.txt").write_text if hlo_dir else None
             with console.phase(f"{mode}: compiling for {where}", done="compiled"):
-                results[mode] = compiled_lib.analyze(config, devices, mode, keep_hlo=True)
+                results[mode] = compiled_lib.analyze(config, devices, mode, on_program=write_hlo)
             r = results[mode]
+            r.pop("hlo", None)
             estimate = r["est_step_time_s"]["by_assumption"]["compiler"]["no_overlap"]
             console.say(
                 f"{mode}: HBM/core {_gib(r['hbm_bytes_per_core']):.3f} GiB "
                 f"({'fits' if r['fits'] else 'does not fit'}), est. step {estimate * 1e3:.2f} ms "
                 f"(compiler-literal)"
             )
-    if _HLO.value:
-        for mode, r in results.items():
-            if r["hlo"] is not None:  # auto's chosen candidate keeps none
-                (storage.path(_HLO.value) / f"{mode}.hlo.txt").write_text(r["hlo"])
-    for r in results.values():
-        r.pop("hlo", None)
-    report(results)
-    if json_out:
-        json_out.write_text(json.dumps(results, indent=2))
+        if json_out:
+            json_out.write_text(json.dumps(results, indent=2))
+    return results
 
 
 if __name__ == "__main__":

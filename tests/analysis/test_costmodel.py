@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from trainer.analysis import costmodel, hlo
+from trainer.analysis import costmodel, hlo, program
 from trainer.analysis.hlo import Collective
 from trainer.parallel import hardware
 
@@ -411,10 +411,48 @@ ENTRY %main (x: f32[512,512], s: bf16[64,1024], w: bf16[512,1024]) -> f32[512,51
     found = hlo.collectives(text, 8)
     kinds = [(c.name, c.is_async, c.fused_with) for c in found if c.kind == "all-gather"]
     # The gather of the start fusion is its bookkeeping, not a second collective.
-    assert sorted(kinds) == [("ag", True, "k"), ("ags", True, "")]
+    assert sorted(kinds) == [("ag", True, ("k",)), ("ags", True, ())]
     windows = schedule.window_bytes(text, found)
     assert windows["ags"] == 2 * 512 * 512 * 4  # the fusion between: its operand, its result
     assert windows["ag"] == 512 * 512 * 2 + 64 * 1024 * 2 + 512 * 1024 * 2  # the kernel's
+
+
+# A hand-made chain of libtpu 0.0.52's async collective fusion (its header says what).
+_CHAIN = (LIBTPU / "async_chain.txt").read_text()
+
+
+def test_an_async_chain_is_one_transfer():
+    from trainer.analysis import schedule
+
+    found = hlo.collectives(_CHAIN, 8)
+    gathers = [c for c in found if c.kind == "all-gather"]
+    # Two gathers a trip, not five: the chain's four pieces are one, the plain one another.
+    assert len(gathers) == 2
+    chained, plain = sorted(gathers, key=lambda c: c.chain, reverse=True)
+    assert (chained.chain, chained.is_async, chained.fused_with) == (
+        "7",
+        True,
+        ("fusion.1", "fusion.2"),
+    )
+    assert (chained.buffer_bytes, chained.group_size, chained.trips) == (512 * 1024 * 2, 8, 4)
+    assert (plain.chain, plain.is_async, plain.buffer_bytes, plain.group_size) == (
+        "",
+        False,
+        256 * 1024 * 2,
+        4,
+    )
+    # Per 4-trip run: the chain's 1 MiB four times, not 4 x 4 MiB.
+    assert sum(c.buffer_bytes * c.trips for c in gathers) == 4 * (2**20 + 2**19)
+    # It overlaps the work of both kernels: each reads its shard (128 KiB) and its
+    # matmul operand (512 KiB) and writes its tuple (512 KiB + 1 MiB).
+    kernel = 64 * 1024 * 2 + 512 * 512 * 2 + 512 * 512 * 2 + 512 * 1024 * 2
+    assert schedule.window_bytes(_CHAIN, found) == {chained.name: 2 * kernel}
+    # Timed, each kernel takes the longer of its matmul (2 x 512^3 FLOPs) at the v5e
+    # peak and its bytes at the v5e bandwidth.
+    v5e = hardware.ACCELERATORS["v5e"]
+    each = max(2 * 512**3 / v5e.peak_flops(), kernel / v5e.hbm_bandwidth())
+    seconds = program.window_seconds(_CHAIN, found, v5e)
+    assert seconds == {chained.name: pytest.approx(2 * each)}
 
 
 def _send(attributes: str) -> str:

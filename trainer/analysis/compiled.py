@@ -18,12 +18,16 @@ costed are those the TPU runs.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import re
 import time
+from collections.abc import Callable
 
 import jax
 
-from trainer.analysis import costmodel, hlo, schedule, step_cost
+from trainer.analysis import costmodel, hlo, program, step_cost
 from trainer.errors import ConfigError
 from trainer.parallel import hardware, torus
 from trainer.parallel import mesh as mesh_lib
@@ -91,8 +95,47 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
         raise ConfigError(f"--topology {name}: {text[:300]}") from e
 
 
+@functools.cache
+def _budget(device) -> float | None:
+    huge = jax.jit(
+        lambda: jax.numpy.zeros((2**20, 2**20), jax.numpy.int8),  # 1 TiB: more than any chip
+        out_shardings=jax.sharding.SingleDeviceSharding(device),
+    )
+    # libtpu logs its refusal, with a memory report, to the process's stderr: not an
+    # error of the run's, so kept off the console.
+    stderr = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            huge.lower().compile()
+    except jax.errors.JaxRuntimeError as e:
+        found = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e))
+        return float(found.group(1)) * 2**30 if found else None
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+    return None
+
+
+def compiler_hbm_budget(device) -> float | None:
+    """The HBM the TPU compiler lets a program of ``device`` use, as libtpu sizes it:
+    read from its out-of-memory message for a 1 TiB buffer (a compile of a moment),
+    to the 0.01 GiB it prints ("exceeds available HBM (31.24G)"). libtpu 0.0.52: v3
+    15.48 GiB a core, v4 30.75, v5e 15.75, v5p 95.73, v6e 31.24. None where it says
+    nothing of the kind (not a TPU, another message)."""
+    if getattr(device, "platform", "") != "tpu":
+        return None
+    return _budget(device)
+
+
 def analyze(
-    config, devices: list, mode: str | None = None, *, keep_hlo: bool = False, twins: bool = True
+    config,
+    devices: list,
+    mode: str | None = None,
+    *,
+    keep_hlo: bool = False,
+    twins: bool = True,
+    on_program: Callable[[str], None] | None = None,
 ) -> dict:
     """Compiles the K-step training loop of ``config`` on ``devices`` and reports it.
 
@@ -103,6 +146,8 @@ def analyze(
       keep_hlo: also return the optimized HLO text (``"hlo"``; else None).
       twins: as :func:`trainer.analysis.step_cost.per_step` takes it (False: quicker,
         where only the collectives and HBM matter).
+      on_program: called with the optimized HLO text as soon as the program is
+        compiled, before the twins (minutes, for a large model) are.
 
     Returns:
       The figures of this run (see the module docstring and the README schema).
@@ -120,6 +165,8 @@ def analyze(
     compile_s = time.perf_counter() - start
     hbm, total = _hbm(compiled)
     text = compiled.as_text()
+    if on_program is not None:
+        on_program(text)
     cost = step_cost.per_step(compiled, config, devices, text=text, twins=twins)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
@@ -132,31 +179,19 @@ def analyze(
     cores = topo.cores_per_chip
     per_host = sum(d.process_index == slice_devices[0].process_index for d in slice_devices)
     flops, bytes_accessed, xla_seconds = cost.flops, cost.bytes_accessed, cost.optimal_seconds
-    # Kernels XLA counts as free (flash attention's backward), at the chip's peak.
-    uncosted_s = cost.uncosted_flops / accelerator.peak_flops(cores)
     roofline = costmodel.roofline_seconds(flops, bytes_accessed, accelerator, cores)
-    # XLA's optimal_seconds of a multi-slice program comes out negative (-30 s and
-    # change, libtpu 0.0.42.1: its DCN transfers' entry); there the compute is the
-    # whole-program roofline with the published chip figures.
-    compute_source = "xla" if xla_seconds > 0 else "roofline"
-    bandwidth = accelerator.hbm_bandwidth(cores)
-    windows = {n: b / bandwidth for n, b in schedule.window_bytes(text, found).items()}
-    compute_s = (xla_seconds if compute_source == "xla" else roofline) + uncosted_s
-    estimates = {
-        name: costmodel.estimate_step(
-            compute_s=compute_s,
-            collectives=found,
-            topo=topo,
-            steps_per_loop=k,
-            has_loop=has_loop,
-            assumption=name,
-            windows_s=windows,
-            dcn=dcn,
-        )
-        for name in costmodel.ASSUMPTIONS
-    }
+    compute_source, compute_s = _compute(cost, roofline, accelerator, cores)
+    # What each async collective overlaps, timed by its kernels' roofline (program.py).
+    windows = program.window_seconds(text, found, accelerator, cores)
+    # The same compute read from the program's text alone, as another framework's
+    # program is read (program.py), and the part of it outside the forward and
+    # backward passes: the optimizer's update.
+    text_compute, update_compute = _text_compute(text, accelerator, cores, k if has_loop else 1)
+    estimates = _estimates(compute_s, found, topo, k, has_loop, windows, dcn)
     estimate, _ = estimates[costmodel.COMPILER]
-    capacity = accelerator.hbm_bytes(cores)
+    # What libtpu lets a program use (v6e: 31.24 GiB, where the published "32 GB" are
+    # 29.8 GiB), else the published capacity.
+    capacity = compiler_hbm_budget(devices[0]) or accelerator.hbm_bytes(cores)
     return {
         "mode": exp.plan.mode,
         "shard_group_size": config.optimizer.shard_group_size,
@@ -169,6 +204,7 @@ def analyze(
         "hbm_bytes_per_core": total,
         "hbm_breakdown": hbm,
         "hbm_capacity_bytes": capacity,
+        "hbm_published_bytes": accelerator.hbm_bytes(cores),
         "fits": total <= capacity and not oom,
         "compiler_oom": oom,
         "flops_per_step": flops,
@@ -178,22 +214,15 @@ def analyze(
         "compute_source": compute_source,
         # Flash attention's backward kernels, which XLA counts as free (step_cost.py).
         "uncosted_flops_per_step": cost.uncosted_flops,
+        # The program's own matmul FLOPs a step, every layer's, and how far XLA's
+        # figure (of the twins) falls below them (step_cost.py).
+        "dot_flops_per_step": cost.dot_flops,
+        "matmul_shortfall_flops_per_step": cost.matmul_shortfall_flops,
         "collectives": [
             _collective_row(c, i, k, has_loop, estimates, windows) for i, c in enumerate(found)
         ],
         # What crosses slices over the data-center network, per step.
-        "dcn_transfers": [
-            {
-                "kind": t.kind,
-                "bytes": t.bytes,
-                "wire_bytes": t.wire_bytes,
-                "slices": t.slices,
-                "per_step": t.in_loop or not has_loop,
-                "times_per_step": t.per_step(k, has_loop),
-                "assumed": list(t.assumed),
-            }
-            for t in dcn
-        ],
+        "dcn_transfers": [_dcn_row(t, k, has_loop) for t in dcn],
         "dcn_bytes_per_host_per_step": per_host
         * sum(t.wire_bytes * t.per_step(k, has_loop) for t in dcn),
         "devices_per_host": per_host,
@@ -205,11 +234,66 @@ def analyze(
             "by_assumption": {name: _times(e) for name, (e, _) in estimates.items()},
         },
         "est_compute_s": estimate.compute_s,
+        # Compute as program.py reads any program's text (its kernels' roofline), and
+        # that of the kernels outside the forward and backward passes (the update).
+        "program_compute_s": text_compute,
+        "update_compute_s": update_compute,
         "compile_s": compile_s,
         # The compiles of the unrolled twins that gave the compute figures (0: none).
         "cost_compile_s": cost.compile_s,
         "cost_how": cost.how,
         "hlo": text if keep_hlo else None,
+    }
+
+
+def _compute(cost, roofline, accelerator, cores) -> tuple[str, float]:
+    """Where a step's compute comes from (``"xla"`` or ``"roofline"``), and its seconds."""
+    # Kernels XLA counts as free (flash attention's backward), and the matmuls the
+    # twins lost (step_cost.py), at the chip's peak.
+    uncosted_s = (cost.uncosted_flops + cost.matmul_shortfall_flops) / accelerator.peak_flops(cores)
+    # XLA's optimal_seconds of a multi-slice program comes out negative (-30 s and
+    # change, libtpu 0.0.42.1: its DCN transfers' entry); there the compute is the
+    # whole-program roofline with the published chip figures.
+    if cost.optimal_seconds > 0:
+        return "xla", cost.optimal_seconds + uncosted_s
+    return "roofline", roofline + uncosted_s
+
+
+def _estimates(compute_s, found, topo, k, has_loop, windows, dcn) -> dict:
+    """The step estimate under each of the cost model's assumptions, by name."""
+    return {
+        name: costmodel.estimate_step(
+            compute_s=compute_s,
+            collectives=found,
+            topo=topo,
+            steps_per_loop=k,
+            has_loop=has_loop,
+            assumption=name,
+            windows_s=windows,
+            dcn=dcn,
+        )
+        for name in costmodel.ASSUMPTIONS
+    }
+
+
+def _text_compute(text, accelerator, cores, per_run) -> tuple[float, float]:
+    """The compute of a step read from the program's text (its kernels' roofline),
+    and that of its kernels outside the forward and backward passes (the update)."""
+    whole = program.roofline(text, accelerator, cores).seconds
+    update = program.roofline(text, accelerator, cores, program.outside_the_passes).seconds
+    return whole / per_run, update / per_run
+
+
+def _dcn_row(transfer, k, has_loop) -> dict:
+    """One transfer across slices, as the report lists it."""
+    return {
+        "kind": transfer.kind,
+        "bytes": transfer.bytes,
+        "wire_bytes": transfer.wire_bytes,
+        "slices": transfer.slices,
+        "per_step": transfer.in_loop or not has_loop,
+        "times_per_step": transfer.per_step(k, has_loop),
+        "assumed": list(transfer.assumed),
     }
 
 
@@ -342,7 +426,9 @@ def choose_update_sharding(config, devices: list, log=print):
 
     log(f"  {'candidate':<58} {'HBM/core':>12} {'':12} step, compiler-literal (optimistic)")
     floors = _hbm_floors(config, devices)
-    capacity = hardware.lookup(devices[0].device_kind).hbm_bytes(_cores_per_chip(devices))
+    capacity = compiler_hbm_budget(devices[0]) or hardware.lookup(devices[0].device_kind).hbm_bytes(
+        _cores_per_chip(devices)
+    )
 
     def fits_at_all(mode: str) -> bool:
         # Not compiled where what the mode must hold alone exceeds the HBM (minutes saved).

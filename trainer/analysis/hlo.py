@@ -115,9 +115,10 @@ class Collective:
         for a layer scan inside it).
       name: its instruction's name (of the ``-start`` of an async pair).
       computation: the computation that holds that instruction.
-      fused_with: for a collective fused with compute into one kernel
-        (``async_collective_fusion``: what XLA's async collective fusion makes), the
-        instruction that runs that kernel; it overlaps that kernel's own work.
+      fused_with: for a collective fused with compute (XLA's async collective fusion:
+        ``async_collective_fusion`` kernels), the instructions that run those kernels,
+        in schedule order; it overlaps their own work.
+      chain: the ``chain_id`` the pieces of such a collective share ("" for others).
     """
 
     kind: str
@@ -133,7 +134,8 @@ class Collective:
     algorithm: Algorithm = Algorithm()
     name: str = ""
     computation: str = ""
-    fused_with: str = ""
+    fused_with: tuple[str, ...] = ()
+    chain: str = ""
 
     def per_step(self, steps_per_loop: int, has_loop: bool) -> float:
         """How many times it runs per training step, in a program of ``steps_per_loop``
@@ -326,6 +328,44 @@ def shape_bytes(type_text: str) -> int:
     )
 
 
+def tuple_elements(type_text: str) -> list[str]:
+    """The element types of a tuple type (``(bf16[2]{0}, (f32[], s32[]))`` -> two), or
+    ``[type_text]`` for an array."""
+    text = re.sub(r"/\*.*?\*/", "", type_text.strip())
+    if not text.startswith("("):
+        return [text]
+    elements, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                elements.append(text[start:i])
+        elif ch == "," and depth == 1:
+            elements.append(text[start:i])
+            start = i + 1
+    return [e.strip() for e in elements if e.strip()]
+
+
+def operands(rest: str) -> list[str]:
+    """The operand references of an instruction (:class:`Instruction`'s ``rest``):
+    names, or ``name#i`` for element i of a tuple-shaped one (as libtpu 0.0.52 prints
+    a loop state's elements)."""
+    return re.findall(r"%([\w.\-]+(?:#\d+)?)", rest.split(")", 1)[0])
+
+
+def operand_bytes(ref: str, types: dict[str, str]) -> int:
+    """Bytes of operand ``ref`` (:func:`operands`), ``types`` the result type text of
+    each instruction of its computation by name."""
+    name, _, index = ref.partition("#")
+    type_text = types.get(name, "")
+    if index:
+        elements = tuple_elements(type_text)
+        type_text = elements[int(index)] if int(index) < len(elements) else ""
+    return shape_bytes(type_text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Loops:
     """Where each computation of a module runs, in ``while`` loops.
@@ -402,7 +442,18 @@ def loops(bodies: dict[str, list[str]]) -> Loops:
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """All collectives of a partitioned HLO module, marked in-loop or not."""
+    """All collectives of a partitioned HLO module, marked in-loop or not.
+
+    XLA's async collective fusion (``xla_tpu_enable_async_collective_fusion*``) splits
+    one collective into pieces that each hold a copy of it: a start fusion
+    (``async-collective-start``), one or more ``async_collective_fusion`` kernels that
+    run a step of it beside compute (several under ``..._multiple_steps``), and a done
+    fusion. libtpu 0.0.52 tags the pieces of one transfer with one ``chain_id`` (in
+    ``frontend_attributes``): they are one collective here, asynchronous, fused with
+    its kernels, at the place and with the trips of the computation that runs them.
+    Pieces without a ``chain_id`` are read as before: the start and done fusions as
+    bookkeeping, each kernel a transfer of its own.
+    """
     bodies = computations(hlo_text)
     where = loops(bodies)
     # A TPU back end may fuse all-reduce + dynamic-slice into one kCustom fusion that
@@ -415,63 +466,82 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         for m in [re.search(r"calls=%?([\w.\-]+)", line)]
         if m
     }
-    # XLA's async collective fusion (xla_tpu_enable_async_collective_fusion...): the
-    # collective appears in the fused kernel that overlaps it with compute, and again
-    # in the fusions of its async-collective-start and -done; it is counted once, in
-    # the first, as asynchronous and fused with that kernel.
-    fused_with, bookkeeping = {}, set()
-    for lines in bodies.values():
+    caller = {}  # fused computation -> (the computation calling it, the calling instruction)
+    for name, lines in bodies.items():
         for line in lines:
             called = re.search(r"calls=%?([\w.\-]+)", line)
-            if not called:
-                continue
-            if called.group(1).startswith("async_collective_fusion"):
-                fused_with[called.group(1)] = instruction_name(line)
-            elif instruction_name(line).startswith(
-                ("async-collective-start", "async-collective-done")
-            ):
-                bookkeeping.add(called.group(1))
-    found = []
+            if called:
+                caller[called.group(1)] = (name, instruction_name(line))
+    found, chains = [], collections.defaultdict(set)
     for name, lines in bodies.items():
-        if name in bookkeeping:
-            continue
         for line in lines:
             match = _INSTRUCTION.match(line)
             if not match or (match.group(2) not in _KINDS and match.group(2) not in _ASYNC_KINDS):
                 continue
-            shapes = _SHAPE.findall(match.group(1))
-            is_async = match.group(2) in _ASYNC_KINDS
-            if is_async and match.group(1).startswith("(") and len(shapes) > 1:
-                # A -start returns (operands, results[, scratch]): keep the results.
-                shapes = shapes[len(shapes) // 2 :] if len(shapes) % 2 == 0 else shapes[1:]
-            size = sum(
-                _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                for dt, dims in shapes
+            host, piece = caller.get(name, ("", ""))
+            chain = re.search(r'chain_id="(\w+)"', line)
+            if chain and host:
+                key = (host, chain.group(1))
+                chains[key].add(piece)
+                if len(chains[key]) > 1:
+                    continue  # a later piece of a chain already found
+            elif piece.startswith(_CHAIN_ENDS):
+                continue  # libtpu 0.0.42.1: a start or done fusion, its kernel's bookkeeping
+            found.append(_collective(line, match, name, where, num_devices, fused_scatter))
+    out = []
+    for c in found:
+        host, piece = caller.get(c.computation, ("", ""))
+        if c.chain and host:
+            # Each chain once, fused with its kernels in the order the schedule runs them.
+            pieces = chains[(host, c.chain)]
+            kernels = tuple(
+                k
+                for k in map(instruction_name, bodies[host])
+                if k in pieces and not k.startswith(_CHAIN_ENDS)
             )
-            group = first_replica_group(line, num_devices)
-            algorithm = Algorithm.of(line)
-            kind = _ASYNC_KINDS.get(match.group(2), match.group(2))
-            if kind == "all-reduce" and name in fused_scatter:
-                kind, size, algorithm = "reduce-scatter", size // len(group), fused_scatter[name]
-            found.append(
-                Collective(
-                    kind=kind,
-                    dtype=shapes[0][0] if shapes else "?",
-                    result_bytes=size,
-                    group_size=len(group),
-                    in_loop=where.depth[name] > 0,
-                    loop_depth=where.depth[name],
-                    trips=where.trips.get(name, 1),
-                    is_async=is_async or name in fused_with,
-                    emitter=algorithm.emitter,
-                    group=group,
-                    algorithm=algorithm,
-                    name=instruction_name(line),
-                    computation=name,
-                    fused_with=fused_with.get(name, ""),
-                )
-            )
-    return found
+            c = dataclasses.replace(c, is_async=True, fused_with=kernels)
+        elif c.computation.startswith("async_collective_fusion") and host:
+            c = dataclasses.replace(c, is_async=True, fused_with=(piece,))
+        out.append(c)
+    return out
+
+
+# The instructions that open and close an async collective fusion's chain.
+_CHAIN_ENDS = ("async-collective-start", "async-collective-done")
+
+
+def _collective(line, match, name, where, num_devices, fused_scatter) -> Collective:
+    """The :class:`Collective` of one collective instruction ``line`` in computation ``name``."""
+    shapes = _SHAPE.findall(match.group(1))
+    is_async = match.group(2) in _ASYNC_KINDS
+    if is_async and match.group(1).startswith("(") and len(shapes) > 1:
+        # A -start returns (operands, results[, scratch]): keep the results.
+        shapes = shapes[len(shapes) // 2 :] if len(shapes) % 2 == 0 else shapes[1:]
+    size = sum(
+        _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in shapes
+    )
+    group = first_replica_group(line, num_devices)
+    algorithm = Algorithm.of(line)
+    kind = _ASYNC_KINDS.get(match.group(2), match.group(2))
+    if kind == "all-reduce" and name in fused_scatter:
+        kind, size, algorithm = "reduce-scatter", size // len(group), fused_scatter[name]
+    chain = re.search(r'chain_id="(\w+)"', line)
+    return Collective(
+        kind=kind,
+        dtype=shapes[0][0] if shapes else "?",
+        result_bytes=size,
+        group_size=len(group),
+        in_loop=where.depth[name] > 0,
+        loop_depth=where.depth[name],
+        trips=where.trips.get(name, 1),
+        is_async=is_async,
+        emitter=algorithm.emitter,
+        group=group,
+        algorithm=algorithm,
+        name=instruction_name(line),
+        computation=name,
+        chain=chain.group(1) if chain else "",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
