@@ -90,6 +90,20 @@ def assemble(sources: Mapping[str, Source], have: Mapping[str, jax.Array]) -> di
     return out
 
 
+def unbox_unconstrained(tree):
+    """``tree`` with Flax's partitioning boxes removed, their sharding constraints not
+    applied (``nn.unbox`` constrains each value to its logical spec, replicated over
+    the data axis: inside an initialiser that makes every device draw every tensor
+    whole; the caller places the values instead)."""
+    import flax.linen as nn  # noqa: PLC0415  (this module is otherwise plain JAX)
+
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
+
+
 def init_like_unscanned(scanned, unscanned, rngs, *args, **kwargs) -> dict:
     """``scanned.init(rngs, *args, **kwargs)``'s variables, with the values of
     ``unscanned.init`` (the same model, one module per layer): a layer stack is a
@@ -101,7 +115,7 @@ def init_like_unscanned(scanned, unscanned, rngs, *args, **kwargs) -> dict:
     variables = unscanned.init(rngs, *args, **kwargs)
     boxed = jax.eval_shape(lambda: scanned.init(rngs, *args, **kwargs))["params"]
     wanted = traverse_util.flatten_dict(nn.unbox(boxed), sep="/")
-    values = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+    values = traverse_util.flatten_dict(unbox_unconstrained(variables["params"]), sep="/")
     stacked = assemble(match(wanted, values), values)
     flat_boxes = traverse_util.flatten_dict(boxed, sep="/")
     return {

@@ -122,6 +122,34 @@ class UpdateShardingPlan:
             params,
         )
 
+    def spread(self, params):
+        """Logical params constrained to be spread over ``data`` where they are made.
+
+        Applied to the initialisers' output, it lets the partitioner draw each device's
+        share of the random values only (JAX's threefry is partitionable: the values do
+        not depend on the split); constrained to the stored layout alone, which
+        reshapes and pads, every device drew every tensor whole: 0.95 GiB of
+        temporaries a device for a 64M-parameter decoder, 7.6 GiB a process on 8 CPU
+        devices. Each parameter is split on its largest dimension the data axis divides
+        that no model axis holds (not a stack's layer dimension, where it can be
+        avoided: a stack is assembled from its layers' values, and split by layer
+        each device would draw every layer), replicated where none does.
+        """
+        return self._map(
+            lambda lay, x: jax.lax.with_sharding_constraint(x, self._spread_sharding(lay)),
+            params,
+        )
+
+    def _spread_sharding(self, lay: LeafLayout) -> NamedSharding:
+        data = self.mesh.shape[mesh_lib.DATA_AXIS]
+        entries = list(lay.logical_spec())
+        free = [d for d, size in enumerate(lay.shape) if not lay.spec[d] and size % data == 0]
+        if data > 1 and lay.sharded and not lay.pad and lay.start > 0 and lay.start in free:
+            entries[lay.start] = mesh_lib.DATA_AXIS
+        elif data > 1 and free:
+            entries[max(free, key=lambda d: (lay.shape[d], d))] = mesh_lib.DATA_AXIS
+        return NamedSharding(self.mesh, PartitionSpec(*entries))
+
     def to_logical(self, stored):
         """Stored params -> logical shapes (no cast)."""
         return self._map(lambda lay, x: lay.to_logical(x), stored)

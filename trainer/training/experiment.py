@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models import stacking
 from trainer import console
 from trainer import tasks as tasks_lib
 from trainer.errors import ConfigError, floating_dtype
@@ -80,6 +81,7 @@ class Experiment:
         to logical arrays that replace their initial values, ``stored`` to arrays
         already in their stored layout and sharding (donated; their initialisers are
         never run). The optimizer state starts from the result.
+      lower_init: the program ``init()`` runs (nothing loaded), lowered: for its cost.
       to_logical: jitted: a train state -> its logical form (``logical_state``'s shardings).
       params_to_logical: jitted: the params alone, sharded over model axes only.
       from_logical: a train state in logical form (a restored checkpoint) -> this
@@ -94,6 +96,7 @@ class Experiment:
     logical_state: step_lib.TrainState
     fns: step_lib.StepFns
     init: Callable[..., step_lib.TrainState]
+    lower_init: Callable[[], jax.stages.Lowered]
     to_logical: Callable[[step_lib.TrainState], step_lib.TrainState]
     params_to_logical: Callable[[Any], Any]
     from_logical: Callable[[step_lib.TrainState], step_lib.TrainState]
@@ -317,6 +320,8 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
     )
 
 
+
+
 def build(
     config: ml_collections.ConfigDict,
     *,
@@ -361,8 +366,10 @@ def build(
         )
 
     def init_state(rng_init, rng_state, loaded=None, stored=None):
-        variables = nn.unbox(task.init_fn(rng_init, task.init_batch))
-        params = variables.pop("params")
+        # Unboxed without Flax's constraint to the logical spec (replicated over data):
+        # plan.spread places them instead, so that each device draws its share only.
+        variables = stacking.unbox_unconstrained(task.init_fn(rng_init, task.init_batch))
+        params = plan.spread(variables.pop("params"))
         if loaded:  # init_from: {"a/b/kernel": logical array} replaces the initial value
             params = replaced(params, loaded, cast=True)
         params = plan.to_stored(params)
@@ -395,13 +402,18 @@ def build(
         logical_shardings,
     )
 
+    # ``stored`` is donated: those parameters become the state's, not copies of them.
+    init_jit = jax.jit(init_state, out_shardings=state_shardings, donate_argnums=(3,))
+
     def init(
         loaded: dict[str, jax.Array] | None = None, stored: dict[str, jax.Array] | None = None
     ):
-        # ``stored`` is donated: those parameters become the state's, not copies of them.
-        fn = jax.jit(init_state, out_shardings=state_shardings, donate_argnums=(3,))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            return fn(init_rng, state_rng, loaded, stored)
+            return init_jit(init_rng, state_rng, loaded, stored)
+
+    def lower_init() -> jax.stages.Lowered:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            return init_jit.lower(init_rng, state_rng)
 
     # -------------------------------- the stored <-> logical conversions
     to_logical = jax.jit(
@@ -422,6 +434,7 @@ def build(
             task, plan, tx, schedule, rules, state_shardings, opt_cfg.accumulate_steps
         ),
         init=init,
+        lower_init=lower_init,
         to_logical=to_logical,
         params_to_logical=params_to_logical,
         from_logical=from_logical,
