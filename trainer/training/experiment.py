@@ -320,8 +320,6 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
     )
 
 
-
-
 def build(
     config: ml_collections.ConfigDict,
     *,
