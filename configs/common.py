@@ -94,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.learning_rate = 1e-3  # the peak, after warm-up
     config.optimizer.schedule = "constant"  # constant | rsqrt | cosine | polynomial
     config.optimizer.warmup_steps = 0  # linear warm-up from 0 to learning_rate
-    config.optimizer.warmup_ratio = 0.0  # > 0: warm up this share of the steps instead
+    config.optimizer.warmup_ratio = 0.0  # with warmup_steps 0: warm up this share of the steps
     config.optimizer.end_learning_rate = 0.0  # cosine and polynomial schedules: the rate at the end
     config.optimizer.power = 2.0  # polynomial schedule: the decay's exponent
     config.optimizer.b1 = 0.9  # adam, adamw, lamb: first-moment decay

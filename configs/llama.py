@@ -286,6 +286,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
             name="adamw",
             learning_rate=2e-5,
             schedule="cosine",
+            warmup_steps=0,  # a --config.optimizer.warmup_steps of the user's wins
             warmup_ratio=0.03,
             end_learning_rate=0.0,
             b1=0.9,

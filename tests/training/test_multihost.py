@@ -124,7 +124,13 @@ def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
     for n, name in ((1, "one"), (2, "two")):
         with open(tmp_path / name / "summary.json") as f:
             evals[n] = json.load(f)["final_eval"]
-    assert evals[2]["eval/perplexity"] == pytest.approx(evals[1]["eval/perplexity"], rel=1e-4)
+    # The held-out documents and the 16 eval rows are the same on both (the eval of
+    # the 2-process checkpoint by one process gives its figure exactly); the weights
+    # are not bit-equal: bf16 activations, and a cross-process reduction sums in
+    # another order, which 20 steps turn into 1e-4 on the final window's loss and
+    # about 1e-3 on the eval loss of the final weights.
+    assert evals[2]["eval/loss"] == pytest.approx(evals[1]["eval/loss"], rel=2e-3)
+    assert evals[2]["eval/accuracy"] == pytest.approx(evals[1]["eval/accuracy"], abs=2e-3)
 
 
 @pytest.mark.slow

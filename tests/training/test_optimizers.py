@@ -54,3 +54,14 @@ def test_warmup_reaches_the_peak_at_its_end():
 def test_unknown_schedule_is_a_config_error():
     with pytest.raises(ConfigError, match="optimizer.schedule must be one of"):
         schedule("linear")
+
+
+def test_warmup_steps_of_the_user_win_over_a_presets_ratio():
+    # Hugging Face's Trainer: warmup_steps, where set, overrides warmup_ratio.
+    config = common.base_config().optimizer
+    config.update(schedule="cosine", warmup_steps=0, warmup_ratio=0.03)
+    assert optimizers.warmup_steps(config, 1_000) == 30
+    config.warmup_steps = 5
+    assert optimizers.warmup_steps(config, 1_000) == 5
+    sched = optimizers.make_schedule(config, 1_000)
+    assert float(sched(5)) == pytest.approx(config.learning_rate)

@@ -300,14 +300,23 @@ def _dcn_row(transfer, k, has_loop) -> dict:
 def _compile(lowered, config):
     """``(compiled, "")``, or for a program over the HBM limit ``(compiled with the
     check off, the compiler's message)``: the TPU compiler refuses such a program,
-    and compiling it again with the check off tells how much it needs."""
+    and compiling it again with the check off tells how much it needs. Where libtpu
+    cannot build it with the check off either (0.0.52 answers "Invalid TPU program"
+    for some v3 programs), the refusal is the answer: a ConfigError with its message."""
     try:
         return experiment.compile_lowered(lowered, config), ""
     except jax.errors.JaxRuntimeError as e:
         if "Ran out of memory" not in str(e):
             raise
         oom = " ".join(str(e).split())
+    try:
         return experiment.compile_lowered(lowered, config, xla_tpu_no_crash_on_oom=True), oom
+    except jax.errors.JaxRuntimeError as e:
+        again = " ".join(str(e).split())
+        raise ConfigError(
+            f"does not fit: {oom} (compiled again with xla_tpu_no_crash_on_oom to measure "
+            f"it, libtpu refused it: {again})"
+        ) from None
 
 
 def _hbm(compiled) -> tuple[dict[str, int], int]:

@@ -21,16 +21,22 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "rsqrt", "cosine", "polynomial")
 
 
+def warmup_steps(config: ml_collections.ConfigDict, num_train_steps: int) -> int:
+    """The warm-up's steps: ``warmup_steps`` where set (> 0), else ``warmup_ratio`` of
+    the run's steps, so that a preset's ratio yields to a user's step count."""
+    if config.warmup_steps > 0:
+        return config.warmup_steps
+    return round(config.warmup_ratio * num_train_steps)
+
+
 def make_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> optax.Schedule:
-    """Learning-rate schedule with linear warm-up (``warmup_steps``, or
-    ``warmup_ratio`` of ``num_train_steps``).
+    """Learning-rate schedule with linear warm-up (``warmup_steps``, or where that is 0
+    ``warmup_ratio`` of ``num_train_steps``, as Hugging Face's Trainer takes the two).
 
     ``rsqrt`` is the Transformer schedule: linear warm-up to ``learning_rate``
     over ``warmup_steps``, then ``learning_rate * sqrt(warmup_steps / step)``.
     """
-    peak, warmup = config.learning_rate, config.warmup_steps
-    if config.warmup_ratio > 0:
-        warmup = round(config.warmup_ratio * num_train_steps)
+    peak, warmup = config.learning_rate, warmup_steps(config, num_train_steps)
     name = config.schedule
     if name == "constant":
         decay = optax.constant_schedule(peak)
@@ -60,8 +66,7 @@ def describe(config: ml_collections.ConfigDict, param_views, num_train_steps: in
     name = config.name
     parts = [f"optimizer {name}: learning rate {config.learning_rate:.3g}"]
     schedule = config.schedule
-    warmup = round(config.warmup_ratio * num_train_steps) if config.warmup_ratio > 0 else 0
-    warmup = warmup or config.warmup_steps
+    warmup = warmup_steps(config, num_train_steps)
     if warmup > 0:
         schedule += f" after {warmup:,} warm-up steps"
     if config.schedule in ("cosine", "polynomial"):
