@@ -1,6 +1,8 @@
-"""Runs the README's demo and the tutorial of docs/running.md, then rewrites what the
-README and that page show of them from those very runs: the demo's console
-transcript (in the README) and ``docs/tiny_run.png``.
+"""Runs the README's demo, the tutorial of docs/running.md and the first language-model
+run of docs/language_models.md, then rewrites what those pages show of them from those
+very runs: the demo's console transcript (in the README), ``docs/tiny_run.png``, and
+the language model's console (its held-out split, tokens/s and samples) in
+docs/language_models.md.
 
     python scripts/readme_demo.py [--check]
 
@@ -9,10 +11,10 @@ The commands are the README's, with its paths (``/tmp/demo``, ``/tmp/demo_params
 uses them). The embedded ``tiny_translation`` data and its vocabulary are removed
 from TFDS's default directory first too (the run generates them again in seconds),
 so the transcript is a first run's, as a new user sees it. Each command's wall time
-is printed. The transcript replaces the block
-between the README's ``readme_demo.py: transcript`` markers, and the picture is the
+is printed. Each transcript replaces the block
+between its page's ``readme_demo.py: transcript`` markers, and the picture is the
 tutorial's own ``trainer.plot`` output, copied to ``docs/tiny_run.png``. ``--check``
-changes nothing and exits 1 if that transcript has other metrics than this
+changes nothing and exits 1 if a transcript has other metrics than this
 run's (loss and eval figures, line by line; times and speeds are the machine's).
 """
 
@@ -28,11 +30,17 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+LANGUAGE_MODELS = os.path.join(REPO, "docs", "language_models.md")
 PICTURE = os.path.join(REPO, "docs", "tiny_run.png")
 BEGIN = "<!-- readme_demo.py: transcript -->"
 END = "<!-- readme_demo.py: end -->"
 TINY = "configs/transformer_1024.py:tiny"
-DIRS = ("/tmp/demo", "/tmp/demo_params", "/tmp/finetune", "/tmp/profiled")
+DIRS = ("/tmp/demo", "/tmp/demo_params", "/tmp/finetune", "/tmp/profiled", "/tmp/mylm")
+# docs/language_models.md's first run on text: the corpus in examples/text, shortened.
+LM_DEMO = (
+    "python -m trainer --config configs/llama.py:text --workdir /tmp/mylm --cpu_devices 8 "
+    "--config.num_train_steps=200 --config.eval_every_steps=100"
+)
 # The tutorial of docs/running.md, after the demo run, as a user types it (shell redirections
 # included); its outputs stay under /tmp/demo.
 TUTORIAL = [
@@ -97,10 +105,10 @@ def main() -> int:
     )
     parser.add_argument("--check", action="store_true", help="compare only; change nothing")
     args = parser.parse_args()
-    with open(README, encoding="utf-8") as f:
-        readme = f.read()
-    if BEGIN not in readme or END not in readme:
-        sys.exit(f"no {BEGIN} ... {END} block in {README}")
+    for page in (README, LANGUAGE_MODELS):
+        with open(page, encoding="utf-8") as f:
+            if BEGIN not in (text := f.read()) or END not in text:
+                sys.exit(f"no {BEGIN} ... {END} block in {page}")
     for directory in DIRS:
         shutil.rmtree(directory, ignore_errors=True)
     tfds_dir = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
@@ -116,22 +124,36 @@ def main() -> int:
     print(demo, end="", flush=True)
     for command in TUTORIAL:
         run(command)
+    language_model = run(LM_DEMO, capture=True)
+    print(language_model, end="", flush=True)
     print(f"all commands: {time.perf_counter() - start:.0f}s", flush=True)
 
-    with open(README, encoding="utf-8") as f:  # again: it may have been edited meanwhile
-        readme = f.read()
-    head, rest = readme.split(BEGIN, 1)
-    old, tail = rest.split(END, 1)
-    new = "\n\n" + transcript_block(demo) + "\n"
+    same = [
+        replace_transcript(page, text, check=args.check)
+        for page, text in ((README, demo), (LANGUAGE_MODELS, language_model))
+    ]
     if args.check:
-        same = metrics_only(old) == metrics_only(new)
-        print("the README's transcript matches this run" if same else "the README differs")
-        return 0 if same else 1
-    with open(README, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + new + END + tail)
+        return 0 if all(same) else 1
     shutil.copyfile("/tmp/demo/run.png", PICTURE)
-    print(f"rewrote the transcript in {README} and {PICTURE}")
+    print(f"rewrote the transcripts in {README} and {LANGUAGE_MODELS}, and {PICTURE}")
     return 0
+
+
+def replace_transcript(page: str, console: str, *, check: bool) -> bool:
+    """Puts ``console`` between ``page``'s markers (``check``: only compares); returns
+    whether the page's transcript had this run's metrics."""
+    with open(page, encoding="utf-8") as f:  # read now: it may have been edited meanwhile
+        text = f.read()
+    head, rest = text.split(BEGIN, 1)
+    old, tail = rest.split(END, 1)
+    new = "\n\n" + transcript_block(console) + "\n"
+    same = metrics_only(old) == metrics_only(new)
+    if check:
+        print(f"{page}: {'the transcript matches this run' if same else 'the transcript differs'}")
+    else:
+        with open(page, "w", encoding="utf-8") as f:
+            f.write(head + BEGIN + new + END + tail)
+    return same
 
 
 if __name__ == "__main__":

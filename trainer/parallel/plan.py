@@ -130,13 +130,21 @@ class UpdateShardingPlan:
         not depend on the split); constrained to the stored layout alone, which
         reshapes and pads, every device drew every tensor whole: 0.95 GiB of
         temporaries a device for a 64M-parameter decoder, 7.6 GiB a process on 8 CPU
-        devices. Each parameter is split on its largest dimension the data axis divides
-        that no model axis holds (not a stack's layer dimension, where it can be
-        avoided: a stack is assembled from its layers' values, and split by layer
-        each device would draw every layer), replicated where none does.
+        devices. A parameter stored split on one dimension past the first, evenly, is
+        split so; another on its largest dimension the data axis divides that no model
+        axis holds (not by layer where it can be helped: a stack is assembled from its
+        layers' values, and split by layer each device would draw every layer), or
+        replicated where none does. A layout that merges dimensions is left to the
+        partitioner, which carries the stored split back through the reshape (a split
+        over several dimensions, which one named axis cannot say: a constraint here
+        made XLA replicate the tensor to reshard it, and warn).
         """
         return self._map(
-            lambda lay, x: jax.lax.with_sharding_constraint(x, self._spread_sharding(lay)),
+            lambda lay, x: (
+                x
+                if lay.sharded and lay.stop - lay.start > 1
+                else jax.lax.with_sharding_constraint(x, self._spread_sharding(lay))
+            ),
             params,
         )
 
