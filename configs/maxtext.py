@@ -106,7 +106,7 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     scale, chips, rows, remat, tensor, _, _ = RUNS[runs[0]]
     slices = int(options.get("slices", 1))
     today = "today" in parts
-    if today and scale not in SCALES_TODAY:
+    if today and runs[0] not in ("v5e-16b", "v5e-32b"):
         raise ValueError(f"today: MaxText 0.2.5's v5e-16b or v5e-32b (got {variant!r})")
     layers, emb, mlp, heads = (SCALES_TODAY if today else SCALES)[scale]
     vocab = 32_000 if today else 32_768

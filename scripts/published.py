@@ -34,9 +34,6 @@ sys.path.insert(0, REPO)
 from configs import maxtext  # noqa: E402
 from trainer.parallel import hardware  # noqa: E402
 
-# bf16 peak a chip, Google Cloud's TPU pages (v6e: 918 TFLOPS, for v6e points and
-# MaxText's v6e tables).
-PEAK = {"v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 MODE = "per_layer"  # MaxText's FSDP
 # name: (variant, topology, slices)
 POINTS = {
@@ -135,11 +132,10 @@ def table(results: dict) -> str:
         chosen = r[MODE]
         est = chosen["est_step_time_s"]
         flops = maxtext_flops(variant, slices)
-        peak = PEAK[topology.split(":")[0]]
+        chip = hardware.ACCELERATORS[topology.split(":")[0]]
+        peak = chip.peak_flops(1)  # bf16 a chip, Google Cloud's TPU pages (hardware.py)
         # What libtpu let the program use (its budget), else the published figure.
-        capacity = chosen.get("hbm_capacity_bytes") or hardware.ACCELERATORS[
-            topology.split(":")[0]
-        ].hbm_bytes(1)
+        capacity = chosen.get("hbm_capacity_bytes") or chip.hbm_bytes(1)
         mfu = {k: flops / (est[k] * peak) for k in ("overlap", "no_overlap")}
         rows.append(
             f"| {name} | {measured:.2%} | {chosen['mode']} | "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 import time
 from collections.abc import Callable
@@ -101,19 +100,11 @@ def _budget(device) -> float | None:
         lambda: jax.numpy.zeros((2**20, 2**20), jax.numpy.int8),  # 1 TiB: more than any chip
         out_shardings=jax.sharding.SingleDeviceSharding(device),
     )
-    # libtpu logs its refusal, with a memory report, to the process's stderr: not an
-    # error of the run's, so kept off the console.
-    stderr = os.dup(2)
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            huge.lower().compile()
+        huge.lower().compile()
     except jax.errors.JaxRuntimeError as e:
         found = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e))
         return float(found.group(1)) * 2**30 if found else None
-    finally:
-        os.dup2(stderr, 2)
-        os.close(stderr)
     return None
 
 
@@ -122,7 +113,9 @@ def compiler_hbm_budget(device) -> float | None:
     read from its out-of-memory message for a 1 TiB buffer (a compile of a moment),
     to the 0.01 GiB it prints ("exceeds available HBM (31.24G)"). libtpu 0.0.52: v3
     15.48 GiB a core, v4 30.75, v5e 15.75, v5p 95.73, v6e 31.24. None where it says
-    nothing of the kind (not a TPU, another message)."""
+    nothing of the kind (not a TPU, another message). Cached per device. libtpu logs
+    the refusal, with a memory report, to the process's stderr; a command that wants
+    it off its console asks here first with stderr silenced (``trainer.aot`` does)."""
     if getattr(device, "platform", "") != "tpu":
         return None
     return _budget(device)
@@ -133,7 +126,6 @@ def analyze(
     devices: list,
     mode: str | None = None,
     *,
-    keep_hlo: bool = False,
     twins: bool = True,
     on_program: Callable[[str], None] | None = None,
 ) -> dict:
@@ -143,7 +135,6 @@ def analyze(
       config: the run config (not modified).
       devices: devices of a TPU topology (or real TPU devices), in any order.
       mode: update-sharding mode to use instead of the config's.
-      keep_hlo: also return the optimized HLO text (``"hlo"``; else None).
       twins: as :func:`trainer.analysis.step_cost.per_step` takes it (False: quicker,
         where only the collectives and HBM matter).
       on_program: called with the optimized HLO text as soon as the program is
@@ -242,7 +233,6 @@ def analyze(
         # The compiles of the unrolled twins that gave the compute figures (0: none).
         "cost_compile_s": cost.compile_s,
         "cost_how": cost.how,
-        "hlo": text if keep_hlo else None,
     }
 
 

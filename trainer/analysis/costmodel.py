@@ -56,7 +56,7 @@ The named assumptions:
 * Collectives inside the loop body run once per step; those outside it once per
   K steps. The step is compute plus collectives (``no_overlap``), or, with
   ``overlap``, the asynchronous ones hidden behind the compute the compiled
-  schedule runs while they are in flight (:mod:`trainer.analysis.schedule`).
+  schedule runs while they are in flight (:func:`trainer.analysis.program.window_seconds`).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ class StepEstimate:
       async_collective_s: collectives issued asynchronously, per step.
       sync_collective_s: the other collectives, per step.
       hidden_s: the part of the asynchronous ones the compiled schedule hides behind
-        work it runs while they are in flight (:mod:`trainer.analysis.schedule`).
+        work it runs while they are in flight (:func:`trainer.analysis.program.window_seconds`).
       dcn_s: transfers between slices over the data-center network, per step.
       overlap_s: ``compute + async - hidden + sync + dcn``.
       no_overlap_s: ``compute + async + sync + dcn``.

@@ -13,15 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from trainer.analysis.hlo import computations, instruction, loops, operands
-
-_SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
-
-
-def _dims(type_text: str) -> list[int]:
-    """The dimensions of the first array an HLO type names (``bf16[4,256]{1,0}`` -> [4, 256])."""
-    shape = _SHAPE.search(type_text)
-    return [int(d) for d in shape.group(2).split(",") if d] if shape else []
+from trainer.analysis.hlo import computations, dims, instruction, ints, loops, operands
 
 
 def matmul_flops(line: str, types: dict[str, str]) -> float:
@@ -39,14 +31,14 @@ def matmul_flops(line: str, types: dict[str, str]) -> float:
     ins = instruction(line)
     if ins is None or ins.opcode not in ("convolution", "dot"):
         return 0.0
-    out = _dims(ins.type_text)
+    out = dims(ins.type_text)
     refs = operands(ins.rest)
     if len(refs) < 2:
         return 0.0
-    lhs, rhs = (_dims(types.get(ref.partition("#")[0], "")) for ref in refs[:2])
+    lhs, rhs = (dims(types.get(ref.partition("#")[0], "")) for ref in refs[:2])
     if ins.opcode == "dot":
         contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-        indices = _ints(contracted.group(1) if contracted else "")
+        indices = ints(contracted.group(1) if contracted else "")
         return 2.0 * math.prod(out) * math.prod(lhs[i] for i in indices)
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line)
     if labels is None or (len(labels.group(1)), len(labels.group(2))) != (len(lhs), len(rhs)):
@@ -120,10 +112,10 @@ def attention_kernel(line: str) -> tuple[float, bool] | None:
     if ins is None or ins.opcode != "custom-call" or "tpu_custom_call" not in line:
         return None
     matmuls = next((n for prefix, n in ATTENTION_MATMULS if ins.name.startswith(prefix)), 0)
-    dims = _dims(ins.type_text)
-    if not matmuls or len(dims) != 4:
+    shape = dims(ins.type_text)
+    if not matmuls or len(shape) != 4:
         return None
-    batch, heads, length, head_dim = dims
+    batch, heads, length, head_dim = shape
     stated = re.search(r'"cost_estimate":\{"flops":"?[1-9]', line) is not None
     return matmuls * 2.0 * batch * heads * length * length * head_dim, stated
 
@@ -139,7 +131,3 @@ def attention_kernels(hlo_text: str) -> list[tuple[float, bool, int]]:
         for line in lines
         if (found := attention_kernel(line)) is not None
     ]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(i) for i in text.split(",") if i.strip()]

@@ -206,7 +206,8 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
     return ids.transpose(perm) if perm else ids
 
 
-def _ints(text: str | None) -> list[int]:
+def ints(text: str | None) -> list[int]:
+    """The integers of a comma-separated list (``"4,256"`` -> [4, 256]; [] for none)."""
     return [int(i) for i in text.split(",") if i.strip()] if text else []
 
 
@@ -254,12 +255,12 @@ def replica_groups(line: str, num_devices: int) -> np.ndarray:
     """
     match = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
     if match and match.group(1):
-        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+        groups = [ints(g) for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
         return np.asarray(groups)
     match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if match:
-        shape = _ints(match.group(1))
-        return _iota(_ints(match.group(2)), _ints(match.group(3)) or None).reshape(shape)
+        shape = ints(match.group(1))
+        return _iota(ints(match.group(2)), ints(match.group(3)) or None).reshape(shape)
     match = re.search(
         r"replica_groups=mesh\[([^\]]*)\]"
         r"(?:,\s*device_ids=\((?:\[([\d,]+)\](?:T\(([\d,]+)\))?|([\d,\s]+))\))?"
@@ -270,9 +271,9 @@ def replica_groups(line: str, num_devices: int) -> np.ndarray:
         sizes = {name: int(n) for name, n in re.findall(r"'(\w+)'=(\d+)", match.group(1))}
         device_ids = None
         if match.group(2):
-            device_ids = _iota(_ints(match.group(2)), _ints(match.group(3)) or None)
+            device_ids = _iota(ints(match.group(2)), ints(match.group(3)) or None)
         elif match.group(4):
-            device_ids = np.asarray(_ints(match.group(4)))
+            device_ids = np.asarray(ints(match.group(4)))
         return _mesh_groups(sizes, device_ids, [a for a in match.group(5).split(",") if a])
     return np.arange(num_devices).reshape(1, -1)
 
@@ -318,6 +319,12 @@ def instruction_name(line: str) -> str:
     """The name an HLO instruction line defines (``%fusion.3 = ...`` -> ``fusion.3``)."""
     match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
     return match.group(1) if match else ""
+
+
+def dims(type_text: str) -> list[int]:
+    """The dimensions of the first array an HLO type names (``bf16[4,256]{1,0}`` -> [4, 256])."""
+    shape = _SHAPE.search(type_text)
+    return ints(shape.group(2)) if shape else []
 
 
 def shape_bytes(type_text: str) -> int:
@@ -485,7 +492,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                 chains[key].add(piece)
                 if len(chains[key]) > 1:
                     continue  # a later piece of a chain already found
-            elif piece.startswith(_CHAIN_ENDS):
+            elif piece.startswith(CHAIN_ENDS):
                 continue  # libtpu 0.0.42.1: a start or done fusion, its kernel's bookkeeping
             found.append(_collective(line, match, name, where, num_devices, fused_scatter))
     out = []
@@ -497,7 +504,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
             kernels = tuple(
                 k
                 for k in map(instruction_name, bodies[host])
-                if k in pieces and not k.startswith(_CHAIN_ENDS)
+                if k in pieces and not k.startswith(CHAIN_ENDS)
             )
             c = dataclasses.replace(c, is_async=True, fused_with=kernels)
         elif c.computation.startswith("async_collective_fusion") and host:
@@ -507,7 +514,8 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
 
 
 # The instructions that open and close an async collective fusion's chain.
-_CHAIN_ENDS = ("async-collective-start", "async-collective-done")
+# The start and done fusions of an async chain (the kernels between run its steps).
+CHAIN_ENDS = ("async-collective-start", "async-collective-done")
 
 
 def _collective(line, match, name, where, num_devices, fused_scatter) -> Collective:
@@ -615,7 +623,7 @@ def dcn_transfers(hlo_text: str, num_slices: int) -> list[DcnTransfer]:
                 DcnTransfer(
                     kind=kind.group(1) if kind else "?",
                     bytes=shape_bytes("{}[{}]".format(*data[0])) if data else 0,
-                    slices=len(_ints(target.group(1))) if target else num_slices,
+                    slices=len(ints(target.group(1))) if target else num_slices,
                     in_loop=where.depth[name] > 0,
                     trips=where.trips.get(name, 1),
                     name=ins.name,

@@ -56,7 +56,6 @@ _FREE = {
     "recv-done",
 }
 _NETWORK = {*hlo._KINDS, *hlo._ASYNC_KINDS}  # timed by the network model instead
-_CHAIN_ENDS = ("async-collective-start", "async-collective-done")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +197,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
             ins = hlo.instruction(line)
             if ins is None or ins.opcode in _FREE or ins.opcode in _NETWORK:
                 continue
-            if ins.opcode.endswith("-done") or ins.name.startswith(_CHAIN_ENDS):
+            if ins.opcode.endswith("-done") or ins.name.startswith(hlo.CHAIN_ENDS):
                 continue  # an async pair is costed at its start; a chain by the network
             called = re.search(r"calls=%?([\w.\-]+)", line)
             if called and "ReduceScatter" in hlo.Algorithm.of(line).emitter:
@@ -217,10 +216,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
 
 def kernel_seconds(kernel: Kernel, accelerator: Accelerator, devices_per_chip: int = 1) -> float:
     """One run of ``kernel``: the longer of its FLOPs at peak and its bytes at bandwidth."""
-    return max(
-        kernel.flops / accelerator.peak_flops(devices_per_chip),
-        kernel.bytes / accelerator.hbm_bandwidth(devices_per_chip),
-    )
+    return costmodel.roofline_seconds(kernel.flops, kernel.bytes, accelerator, devices_per_chip)
 
 
 def roofline(
@@ -247,7 +243,7 @@ def window_seconds(
     devices_per_chip: int = 1,
 ) -> dict[str, float]:
     """For each asynchronous collective (by name), the seconds of the work the schedule
-    runs while it is in flight (:mod:`trainer.analysis.schedule`): the kernels it is
+    runs while it is in flight (module docstring): the kernels it is
     fused into, or those between its start and its done, each timed by its roofline
     (:func:`kernel_seconds`). A fused gather's kernels are matmuls: their FLOPs, not
     their bytes, set how long they run, and so how much of the gather they hide."""
