@@ -139,3 +139,14 @@ def generate(
     done = jnp.zeros((batch,), bool)
     _, _, _, out, _ = jax.lax.while_loop(going, step, (0, cache, logits, out, done))
     return out
+
+
+def until_stop(ids: Sequence[int], stops: Sequence[int]) -> list[int]:
+    """A row of :func:`generate`'s output up to its first stop id (or -1, what a row is
+    padded with when there are no stop ids)."""
+    out = []
+    for token in ids:
+        if token in stops or token < 0:
+            break
+        out.append(int(token))
+    return out

@@ -3,9 +3,11 @@ answered with the sum, for the chat fine-tuning recipe (docs/chat.md) where no r
 instruction data is at hand.
 
 Each row is ``{"messages": [{"role": "user", "content": "What is 12 + 7?"},
-{"role": "assistant", "content": "19"}]}`` (Hugging Face datasets' form); every
-``--every``-th addition (by a seeded draw) goes to the held-out file, with its answer,
-for checking what the fine-tuned model answers to questions it never saw.
+{"role": "assistant", "content": "19"}]}`` (Hugging Face datasets' form); a seeded
+tenth of the pairs of numbers goes to the held-out file instead, asked once with its
+answer, for checking what the fine-tuned model answers to questions it never saw. Both
+files are written in full under temporary names before either is renamed into place,
+so that a run stopped while writing leaves no half-written file.
 
     python scripts/make_chat_data.py --out /tmp/arithmetic [--largest 19] [--seed 0]
 """
@@ -52,9 +54,14 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     train, held = conversations(args.largest, args.seed)
+    written = []
     for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
-        with open(os.path.join(args.out, name), "w") as f:
+        path = os.path.join(args.out, name)
+        with open(f"{path}.partial", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
+        written.append(path)
+    for path in written:
+        os.replace(f"{path}.partial", path)
     print(f"wrote {len(train)} training and {len(held)} held-out conversations to {args.out}")
 
 

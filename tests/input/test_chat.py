@@ -166,6 +166,11 @@ def test_template_failures_are_one_config_error(families, tmp_path):
         template_lib.ChatTemplate("{% for m in messages %}", {}, "m")
     with pytest.raises(ConfigError, match="the fallback one ends each turn with the tokenizer"):
         template_lib.template_from_files({}, "m")
+    # Damaged tokenizer files: one line naming the file, not a traceback.
+    with pytest.raises(ConfigError, match=r"^m: tokenizer_config.json holds a JSON list, not an"):
+        template_lib.template_from_files({"tokenizer_config.json": b"[1]"}, "m")
+    with pytest.raises(ConfigError, match=r"^m: chat_template.jinja is not UTF-8"):
+        template_lib.template_from_files({"chat_template.jinja": b"{{ \xff }}"}, "m")
     # Mistral's role check, on the second conversation of a file.
     rows = [{"messages": CONVERSATIONS["one turn"]}, {"messages": [*CONVERSATIONS["one turn"]] * 2}]
     rows[1]["messages"][1] = {"role": "user", "content": "again"}

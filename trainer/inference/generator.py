@@ -147,11 +147,7 @@ class Generator:
     @functools.cached_property
     def chat_template(self) -> chat_template_lib.ChatTemplate:
         """The template conversations are rendered with (the module doc)."""
-        specials = {
-            f"{name}_token": self.tokenizer.piece(i)
-            for name, i in (("bos", self.tokenizer.bos_id), ("eos", self.tokenizer.eos_id))
-            if i is not None
-        }
+        specials = chat_template_lib.tokenizer_specials(self.tokenizer)
         return chat_template_lib.template_from_files(self._files, self.source, specials)
 
     def generate(
@@ -220,7 +216,7 @@ class Generator:
         )
         if chat:
             encoded = [self._encode_chat(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-            stops = self._chat_stops()
+            stops = chat_template_lib.stop_ids(self.chat_template, self.tokenizer)
         else:
             encoded = [self._encode(i, p, max_new_tokens) for i, p in enumerate(prompts)]
             stops = tuple(self.tokenizer.stop_ids)
@@ -250,7 +246,7 @@ class Generator:
                     )
                 )
                 for r, i in enumerate(chunk):
-                    ids = _until_stop(result[r], stops)
+                    ids = generate.until_stop(result[r].tolist(), stops)
                     produced += len(ids)
                     out[i] = self.tokenizer.decode(ids)
                 progress.update(len(chunk))
@@ -264,12 +260,6 @@ class Generator:
         )
         ids = list(self.tokenizer.encode_offsets(text)[0])
         return self._fits(index, ids, max_new_tokens)
-
-    def _chat_stops(self) -> tuple[int, ...]:
-        """EOS, and the chat template's end of turn (``<|eot_id|>``, ``<|im_end|>``)."""
-        end_of_turn = self.tokenizer.token_id(self.chat_template.end_of_turn())
-        extra = [end_of_turn] if end_of_turn is not None else []
-        return tuple(dict.fromkeys([*self.tokenizer.stop_ids, *extra]))
 
     def _encode(self, index: int, prompt: str, max_new_tokens: int) -> list[int]:
         bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
@@ -454,13 +444,3 @@ def _left_padded(prompts: list[list[int]], indices: list[int], rows: int, width:
         tokens[r, width - len(ids) :] = ids
         pad[r], index[r] = width - len(ids), i
     return tokens, pad, index
-
-
-def _until_stop(ids: np.ndarray, stops: tuple[int, ...]) -> list[int]:
-    """The ids before the first stop id (or -1, what a row without stop ids is padded with)."""
-    out = []
-    for token in ids.tolist():
-        if token in stops or token < 0:
-            break
-        out.append(token)
-    return out

@@ -146,14 +146,20 @@ def load(
 def _without_orbax_warnings() -> Iterator[None]:
     """Orbax warns through absl's logger, on every read, that a checkpoint directory is
     read-only (a reader's normal case): said to the user of the Python API, it reads
-    like a problem."""
+    like a problem. Only those records are dropped, by a filter of this block's own
+    (the logger's level, which other threads' records pass, is left as it is)."""
     absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(max(level, logging.ERROR))
+    quiet = _ReadOnlyFilter()
+    absl.addFilter(quiet)
     try:
         yield
     finally:
-        absl.setLevel(level)
+        absl.removeFilter(quiet)
+
+
+class _ReadOnlyFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "read only" not in record.getMessage()
 
 
 def check_step(step) -> None:

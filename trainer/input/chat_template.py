@@ -39,6 +39,7 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from trainer.errors import ConfigError
+from trainer.input import tokenizer as tokenizer_lib
 from trainer.workdir import storage
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -266,6 +267,24 @@ class ChatTemplate:
         return self.answer_affixes[1]
 
 
+def tokenizer_specials(tokenizer) -> dict[str, str]:
+    """``bos_token`` and ``eos_token`` as ``tokenizer`` writes them: the template
+    variables of a tokenizer without a ``tokenizer_config.json`` (a SentencePiece model)."""
+    return {
+        f"{name}_token": tokenizer.piece(i)
+        for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
+        if i is not None
+    }
+
+
+def stop_ids(template: ChatTemplate, tokenizer) -> tuple[int, ...]:
+    """Where an answer ends: ``tokenizer``'s stop ids (EOS), and the template's end of
+    turn where it is one token (``<|eot_id|>``, ``<|im_end|>``)."""
+    end_of_turn = tokenizer.token_id(template.end_of_turn())
+    extra = [end_of_turn] if end_of_turn is not None else []
+    return tuple(dict.fromkeys([*tokenizer.stop_ids, *extra]))
+
+
 def _raise(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -284,16 +303,18 @@ def template_from_files(
         SentencePiece model's ``<s>``, ``</s>``); the config's win.
 
     Raises:
-      ConfigError: a config that is not JSON, several templates none named
+      ConfigError: a config that is not a JSON object, a template file that is not
+        UTF-8, several templates none named
         ``default``, or a template that does not compile.
     """
-    try:
-        settings = json.loads(files.get(CONFIG_FILE) or b"{}")
-    except ValueError as e:
-        raise ConfigError(f"{source}: {CONFIG_FILE} is not JSON ({e})") from None
+    settings = tokenizer_lib.json_object(files, CONFIG_FILE, source)
     variables = {**(specials or {}), **special_tokens(settings)}
     if TEMPLATE_FILE in files:
-        return ChatTemplate(files[TEMPLATE_FILE].decode(), variables, source)
+        try:
+            text = files[TEMPLATE_FILE].decode()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{source}: {TEMPLATE_FILE} is not UTF-8 ({e})") from None
+        return ChatTemplate(text, variables, source)
     text = settings.get("chat_template")
     if isinstance(text, list):  # [{"name": ..., "template": ...}], as transformers saves several
         named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}

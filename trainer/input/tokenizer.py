@@ -421,7 +421,7 @@ class HfTokenizer:
             raise ConfigError(f"{source} is not a Hugging Face tokenizer.json ({e})") from None
         self.files = dict(files)
         self.source = source
-        settings = _json_object(files, "tokenizer_config.json", source)
+        settings = json_object(files, "tokenizer_config.json", source)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         before, after = self._added_around_a_text()
         # transformers adds what the post-processor adds, whatever bos_token says.
@@ -472,7 +472,7 @@ class HfTokenizer:
         return self._tokenizer.id_to_token(int(token_id))
 
 
-def _json_object(files: dict[str, bytes], name: str, source: str) -> dict:
+def json_object(files: dict[str, bytes], name: str, source: str) -> dict:
     """The JSON object of ``files[name]`` ({} where there is none).
 
     Raises:
@@ -496,7 +496,7 @@ def _stop_ids(
     Raises:
       ConfigError: an ``eos_token_id`` that is not an id of the vocabulary, or a list of them.
     """
-    stops = _json_object(files, GENERATION_FILE, source).get("eos_token_id")
+    stops = json_object(files, GENERATION_FILE, source).get("eos_token_id")
     if stops is None:
         return () if eos_id is None else (eos_id,)
     listed = stops if isinstance(stops, list) else [stops]

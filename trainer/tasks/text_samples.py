@@ -84,8 +84,8 @@ def continuations(
         out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
         samples = []
         for r, (prompt, held_out) in enumerate(pairs):
-            new = _until_stop(out[r].tolist(), stop_ids)
-            held_out = _until_stop(np.asarray(held_out).tolist(), stop_ids)
+            new = generate.until_stop(out[r].tolist(), stop_ids)
+            held_out = generate.until_stop(np.asarray(held_out).tolist(), stop_ids)
             samples.append(
                 f"{_text(tokenizer, prompt)} => {_text(tokenizer, new)} "
                 f"(held out: {_text(tokenizer, held_out)})"
@@ -169,13 +169,6 @@ def _with_guesses(tokenizer, batch: dict, guesses: np.ndarray, row: int) -> str:
     if run:
         words.append(_text(tokenizer, run))
     return " ".join(w for w in words if w)
-
-
-def _until_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
-    for i, token in enumerate(ids):
-        if token in stop_ids:
-            return ids[:i]
-    return ids
 
 
 def _text(tokenizer, ids) -> str:

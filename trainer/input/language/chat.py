@@ -406,7 +406,6 @@ class ChatDocuments:
         self.conversations, self.encoder = conversations, encoder
         self.index = np.flatnonzero(fits)
         self.lengths = counts[self.index, 0].astype(np.int32)
-        self.loss_tokens = int(counts[self.index, 1].sum())
 
     def tokens_and_masks(self, indices: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each document's ``(ids, mask)`` (:meth:`ChatEncoder.encode`)."""

@@ -140,11 +140,7 @@ def _chat_data(lm: LanguageOptions, opts: DataOptions) -> LanguageData:
             "does)"
         )
     tokenizer = tokenizer_lib.load_text_tokenizer(lm.tokenizer)
-    specials = {
-        f"{name}_token": tokenizer.piece(i)
-        for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
-        if i is not None
-    }
+    specials = chat_template_lib.tokenizer_specials(tokenizer)
     template = chat_template_lib.load_chat_template(lm.tokenizer, specials)
     encoder = chat.ChatEncoder(template, tokenizer, lm.train_on_prompts)
     conversations = chat.read_conversations(lm.train_files, "data.train_files")
@@ -169,8 +165,7 @@ def _chat_data(lm: LanguageOptions, opts: DataOptions) -> LanguageData:
     evals = _eval_batches(
         eval_docs, PackedDocuments(eval_docs.lengths, row_tokens, None), lm, opts, None
     )
-    end_of_turn = tokenizer.token_id(template.end_of_turn())
-    stops = tuple(dict.fromkeys([*tokenizer.stop_ids, *([end_of_turn] if end_of_turn else [])]))
+    stops = chat_template_lib.stop_ids(template, tokenizer)
 
     def samples(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
