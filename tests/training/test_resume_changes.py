@@ -44,6 +44,17 @@ def test_a_shorter_schedule_says_the_learning_rate_it_moves_to(tmp_path):
     ]
 
 
+def test_a_warmup_share_moves_the_learning_rate_too(tmp_path):
+    changes = {"optimizer.warmup_steps": 0, "optimizer.warmup_ratio": 0.5}
+    directory, config, record = recorded_run(tmp_path, **changes)
+    lines = [c.line() for c in resume_changes.compare(directory, config, TOKENIZER, record, 100)]
+    # Warm-up of 400 steps (half of 800): at step 100, 3e-4 x 100/400 = 7.5e-5; before,
+    # cosine 60 steps into 760 after 40: 3e-4 (0.1 + 0.9 (1 + cos(pi 60/760)) / 2) = 2.96e-4.
+    assert lines[-1] == (
+        "learning rate at step 100: 0.000296 -> 7.5e-05: the schedule's rate where the run goes on"
+    )
+
+
 def test_rows_of_another_length_and_a_grown_corpus_are_said(tmp_path):
     directory, config, record = recorded_run(tmp_path, **{"data.max_length": 32})
     grown = {"corpus": "abd", "files": [*record["files"], ["/corpus/b.txt", 500_000]]}

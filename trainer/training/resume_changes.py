@@ -36,6 +36,7 @@ _SCHEDULE_KEYS = (
     "optimizer.learning_rate",
     "optimizer.schedule",
     "optimizer.warmup_steps",
+    "optimizer.warmup_ratio",
     "optimizer.end_learning_rate",
     "optimizer.power",
 )
