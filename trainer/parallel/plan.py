@@ -149,12 +149,12 @@ class UpdateShardingPlan:
         )
 
     def _spread_sharding(self, lay: LeafLayout) -> NamedSharding:
+        if lay.sharded and lay.stored_shape == lay.shape and lay.start > 0:
+            return self.logical_sharding(lay)  # the stored split, past the layers' dim
         data = self.mesh.shape[mesh_lib.DATA_AXIS]
         entries = list(lay.logical_spec())
         free = [d for d, size in enumerate(lay.shape) if not lay.spec[d] and size % data == 0]
-        if data > 1 and lay.sharded and not lay.pad and lay.start > 0 and lay.start in free:
-            entries[lay.start] = mesh_lib.DATA_AXIS
-        elif data > 1 and free:
+        if data > 1 and free:
             entries[max(free, key=lambda d: (lay.shape[d], d))] = mesh_lib.DATA_AXIS
         return NamedSharding(self.mesh, PartitionSpec(*entries))
 
