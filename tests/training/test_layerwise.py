@@ -15,11 +15,12 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from configs import llama
 from trainer.analysis import hlo
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
 from trainer.parallel import transform as transform_lib
-from trainer.training import experiment, layerwise
+from trainer.training import experiment, layerwise, optimizers
 
 LAYERS = 3
 # A stack of 3 layers beside unstacked parameters; over 8 shards under wus, "up" is
@@ -272,3 +273,18 @@ def test_roles_of_every_family(config_name):
         assert view.decayed == (not not_decayed), (name, shape.shape)
     ranks = {len(view.layout.shape) for view in stacked if not view.decayed}
     assert ranks & {2, 3}, "rank is no proxy: stacked scales and biases have rank >= 2"
+
+
+def test_the_start_line_counts_weights_per_layer_whatever_the_stacking():
+    # The rule sees layers, so the line saying what it decays does too: a 3-layer
+    # Llama's 7 matrices a layer and 2 tables are 23 weights, its 2 norms a layer and
+    # the final norm 7 scales, stacked or not.
+    lines = set()
+    for scan in (True, False):
+        config = llama.get_config("tiny,synthetic")
+        config.model.update(num_layers=3, scan_layers=scan, tie_embeddings=False)
+        exp = experiment.build(config, with_data=False)
+        views = layerwise.views(exp.plan.layouts, exp.plan.stacks)
+        lines.add(optimizers.describe(config.optimizer, views, config.num_train_steps))
+    (line,) = lines
+    assert "on 23 weights, not on 7 norm scales and biases" in line

@@ -77,12 +77,13 @@ def describe(config: ml_collections.ConfigDict, param_views, num_train_steps: in
     if name in ("momentum", "lars"):
         parts.append(f"momentum {config.momentum}" + (" (Nesterov)" if config.nesterov else ""))
     if name in ("adamw", "lamb", "lars") and config.weight_decay:
-        views = [v for v in _leaves(param_views)]
-        decayed = sum(v.decayed for v in views)
+        # Tensors counted per layer: the same line whether the layers are stacked or not.
+        counts = [(v.layout.shape[0] if v.stacked else 1, v.decayed) for v in _leaves(param_views)]
+        decayed = sum(n for n, d in counts if d)
         what = "and trust ratios (per layer) " if name in ("lamb", "lars") else ""
         parts.append(
             f"weight decay {config.weight_decay:g} {what}on {decayed} weights, not on "
-            f"{len(views) - decayed} norm scales and biases"
+            f"{sum(n for n, _ in counts) - decayed} norm scales and biases"
         )
     elif name in ("lamb", "lars"):
         parts.append("trust ratios per layer, not on norm scales and biases")
