@@ -99,6 +99,8 @@ def _evaluate_hugging_face(config) -> None:
     with console.phase(f"reading the parameters of {workdir}"):
         params = loading.hugging_face_params(model, storage.path(workdir))
     result = evaluation.make_evaluator(model)({"params": params})
+    for sample in result.samples:  # as for a run's checkpoint (main)
+        console.say(f"  sample: {sample}")
     print(" | ".join([workdir, *(f"{k} {v:.4g}" for k, v in result.metrics.items())]))
     sys.stdout.flush()
     console.say(f"(not recorded: {workdir} is a model directory, not a run's work directory)")

@@ -329,6 +329,19 @@ def test_missing_libtpu_is_named_as_such(monkeypatch):
         compiled_lib.topology_devices("v3:2x2")
 
 
+@pytest.mark.slow  # TPU compiles: 40-160 s (shared with the report's other tests)
+def test_a_mode_over_the_cores_hbm_is_reported_by_how_much(report, capsys):
+    # libtpu 0.0.52 would not build a v3 program over its budget even to measure it
+    # (test_does_not_fit_is_reported); a real report with a smaller budget stands in.
+    results, _, _ = report
+    r = dict(results["none"], fits=False)
+    r["hbm_capacity_bytes"] = r["hbm_bytes_per_core"] - 1.5 * 2**30
+    from trainer import aot
+
+    aot.report({"none": r})
+    assert "does not fit by 1.50 GiB" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # TPU compiles: 40-160 s
 def test_hlo_files_are_the_programs_counted(report):
     results, _, hlo_dir = report

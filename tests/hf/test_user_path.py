@@ -230,6 +230,8 @@ def test_the_commands_take_a_hugging_face_directory(model, tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     (line,) = evaluated.stdout.splitlines()
     assert line.startswith(f"{directory} | eval/accuracy ") and "| eval/perplexity " in line
+    # The samples it computed (greedy continuations of held-out documents) are said.
+    assert evaluated.stderr.count("  sample: ") == 3, evaluated.stderr[-3000:]
     assert not os.path.exists(os.path.join(directory, "eval.jsonl"))
     out = tmp_path / "bf16"
     exported = run_command(
@@ -249,7 +251,17 @@ def test_our_own_hugging_face_export_is_taken_where_a_run_is(run, tmp_path):
     assert Generator.load(ours).generate([PROMPT], max_new_tokens=6) == continued
     again = hf_export.export(ours, tmp_path / "again", dtype="bfloat16")
     assert again.step is None and again.architecture == "LlamaForCausalLM"
-    assert Generator.load(tmp_path / "again").generate([PROMPT], max_new_tokens=6)
+    # The bf16 export of the import is the f32 export rounded, tensor for tensor, as
+    # safetensors' own reader reads both.
+    from safetensors.torch import load_file
+
+    def tensors(directory):
+        files = sorted(directory.glob("*.safetensors"))
+        return {k: v for f in files for k, v in load_file(f).items()}
+
+    f32, bf16 = tensors(ours), tensors(tmp_path / "again")
+    assert sorted(f32) == sorted(bf16)
+    assert all(torch.equal(f32[k].to(torch.bfloat16), bf16[k]) for k in f32)
 
 
 # ------------------------------------------------ exports leave nothing behind
