@@ -390,7 +390,7 @@ def test_state_stays_sharded_and_small():
     assert isinstance(stored["mat"].sharding, NamedSharding)
 
 
-@pytest.mark.parametrize("mode", ["wus", "per_layer"])
+@pytest.mark.parametrize("mode", ["wus", pytest.param("per_layer", marks=pytest.mark.slow)])
 def test_each_device_draws_only_its_share_of_the_initial_values(mode):
     # A 2-layer Llama, its updates sharded in groups of 2 devices (as many as layers).
     # Flax's unbox constrains each initial value to its logical spec (replicated over
