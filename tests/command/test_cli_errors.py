@@ -711,8 +711,15 @@ def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
 def test_launcher_killed_mid_loop_or_mid_save_takes_its_processes_along(tmp_path):
     workdir, data = str(tmp_path / "run"), str(tmp_path / "tfds")
     checkpoints = tmp_path / "run" / "checkpoints"
-    # SIGKILL while a loop runs (the processes have logged a step).
-    _kill_launcher_when(workdir, data, lambda lines: any("[p0] step" in line for line in lines))
+
+    # SIGKILL while a loop runs: the processes have logged a step, and a checkpoint is
+    # complete (a step's directory; the first save may still be in flight at its step's
+    # line, and a kill then leaves nothing for the second run to resume from).
+    def running(lines):
+        complete = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+        return complete and any("[p0] step" in line for line in lines)
+
+    _kill_launcher_when(workdir, data, running)
 
     # Again, while a save is written (a temporary directory after a complete checkpoint).
     def saving(lines):
