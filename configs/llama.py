@@ -133,6 +133,9 @@ def model_section(**overrides) -> ml_collections.ConfigDict:
             tie_embeddings=True,  # the output table is the input table
             # dot (XLA) | flash (the Pallas TPU kernel: scores never in memory; TPU only)
             attention="dot",
+            # The output projection's product: float32, or bfloat16 cast to float32 after
+            # (half the bytes of the logits, rounded; MaxText's logits_dot_in_fp32=false).
+            logits_dtype="float32",
             max_len=8192,  # the longest sequence the model takes
             init_std=0.02,  # standard deviation of every initial weight (Llama's)
             dtype="bfloat16",  # activations and matmuls

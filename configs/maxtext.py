@@ -133,6 +133,9 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     )
     if today:
         config.model.rope_theta = 10_000.0  # base.yml's rope_max_timescale
+        # base.yml's logits_dot_in_fp32: false (the output projection in bf16, its
+        # result cast to float32: cast_logits_to_fp32: true).
+        config.model.logits_dtype = "bfloat16"
     config.data.update(max_length=LENGTH, vocab_size=vocab)
     config.global_batch_size = rows * chips * slices
     config.mesh.axes = ml_collections.ConfigDict({"data": -1, "model": tensor})

@@ -65,6 +65,11 @@ class DecoderConfig:
         ``"flash"``: the Pallas TPU flash-attention kernel of JAX
         (``jax.experimental.pallas.ops.tpu``), blocks of 512, which never holds the
         scores (MaxText's ``attention='flash'``; TPU only, and not when decoding).
+      logits_dtype: the output projection's product: float32 (the logits never
+        rounded), or ``dtype``'s, cast to float32 after (MaxText's default,
+        ``logits_dot_in_fp32: false``): half the bytes of ``[rows, length, vocab]``,
+        the largest activation of a step (1.46 GiB a chip of f32 logits at 6 rows of
+        2,048 over 32,000 ids), at the cost of rounding them.
       max_len: the longest sequence the model takes (decoding caches this many).
       init_std: standard deviation of every initial weight (Llama's 0.02).
       dtype: activations and matmuls; param_dtype: the weights.
@@ -90,6 +95,7 @@ class DecoderConfig:
     parallel_block: bool = False
     tie_embeddings: bool = True
     attention: str = "dot"
+    logits_dtype: Any = jnp.float32
     max_len: int = 8192
     init_std: float = 0.02
     dtype: Any = jnp.bfloat16
@@ -198,6 +204,13 @@ def _flash(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # head h: kv h // group
     block = min(512, q.shape[1])
+    # The dQ kernel's key/value blocks at 128, not 512: the kernel broadcasts its
+    # per-row inputs (``di``, float32 [batch, heads, length]) to [..., block_k_dq]
+    # before the call, so 512 holds 4x the bytes. At MaxText's 16B on v5e-256 (6 rows
+    # of 2,048) that broadcast was 1.5 GiB of the 10.3 GiB live at the step's peak;
+    # at 128 the program needs 1.18 GiB less HBM a chip (docs/aot.md). 128 is also
+    # the kernel's own default (``BlockSizes.get_default``).
+    dq_block = min(128, q.shape[1])
     sizes = fa.BlockSizes(
         block_q=block,
         block_k_major=block,
@@ -207,8 +220,8 @@ def _flash(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
         block_k_major_dkv=block,
         block_k_dkv=block,
         block_q_dkv=block,
-        block_k_major_dq=block,
-        block_k_dq=block,
+        block_k_major_dq=dq_block,
+        block_k_dq=dq_block,
         block_q_dq=block,
     )
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
@@ -340,7 +353,8 @@ class Decoder(nn.Module):
         x = layer_stack.run(self.layers, x, positions, mask)
         x = self.final_norm(x)
         table = self.token_embedding if cfg.tie_embeddings else self.output_embedding
-        return nn.with_logical_constraint(table.attend(x), ("batch", "length", "vocab"))
+        logits = table.attend(x, cfg.logits_dtype)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
 def _mlp_matrices(cfg: DecoderConfig) -> int:

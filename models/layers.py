@@ -47,10 +47,14 @@ class Embedding(nn.Module):
     def __call__(self, ids: Array) -> Array:
         return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
 
-    def attend(self, x: Array) -> Array:
-        """x @ table^T: operands in ``dtype``, float32 result so logits are never rounded."""
+    def attend(self, x: Array, result_dtype: Any = jnp.float32) -> Array:
+        """x @ table^T in float32: operands in ``dtype``, the product in
+        ``result_dtype`` (float32: the logits are never rounded; ``dtype``: rounded,
+        half the bytes of the largest activation, as MaxText's ``logits_dot_in_fp32:
+        false``), then cast to float32."""
         table = self.embedding.astype(self.dtype)
-        return jnp.einsum("...e,ve->...v", x, table, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...e,ve->...v", x, table, preferred_element_type=result_dtype)
+        return logits.astype(jnp.float32)
 
 
 class LayerNorm(nn.Module):

@@ -241,3 +241,23 @@ def test_the_flop_count_is_what_xla_counts_for_the_step():
     full_attention = decoder.train_flops_per_token(cfg, length, causal_half=False) * length
     # XLA's is ours with the whole square, plus elementwise work (softmax, norms: 3%).
     assert ours < full_attention <= cost["flops"] < 1.05 * full_attention, cost["flops"]
+
+
+def test_bf16_logits_are_the_float32_logits_rounded_and_come_back_in_float32():
+    # model.logits_dtype=bfloat16 (MaxText's logits_dot_in_fp32: false): the output
+    # projection's product is rounded to bf16, then cast to float32 for the loss.
+    config = llama.get_config("synthetic")
+    config.model.update(vocab_size=97, logits_dtype="bfloat16")
+    assert language_model.model_config(config).logits_dtype == jnp.bfloat16
+    wide = dataclasses.replace(TINY, dtype=jnp.bfloat16)
+    narrow = dataclasses.replace(wide, logits_dtype=jnp.bfloat16)
+    params = params_of(wide)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 16)), jnp.int32)
+    exact = np.asarray(decoder.Decoder(wide).apply({"params": params}, ids))
+    rounded = decoder.Decoder(narrow).apply({"params": params}, ids)
+    assert exact.dtype == rounded.dtype == np.float32
+    rounded = np.asarray(rounded)
+    assert not np.array_equal(rounded, exact)
+    np.testing.assert_array_equal(rounded, rounded.astype(jnp.bfloat16).astype(np.float32))
+    # One rounding of the float32 product: at most half a bf16 step (2^-8 relative) away.
+    np.testing.assert_allclose(rounded, exact, rtol=2**-8, atol=1e-6)

@@ -47,7 +47,7 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     scaling = {name: fields.pop(key) for key, name in _SCALING_KEYS.items() if key in fields}
     if scaling.get("factor", 0) > 0:
         fields["rope_scaling"] = rope.Llama3Scaling(**scaling)
-    for key in ("dtype", "param_dtype"):
+    for key in ("dtype", "param_dtype", "logits_dtype"):
         fields[key] = floating_dtype(fields[key], f"model.{key}")
     try:
         return decoder.DecoderConfig(**fields)
