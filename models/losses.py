@@ -61,9 +61,11 @@ def _cross_entropy(logits: Array, targets: Array, confidence: float, low: float)
     array, and the gradient comes back in the logits' dtype from one elementwise
     expression: only reductions and that expression read the logits, so the compiler
     fuses their cast to float32 into them instead of writing float32 logits, or a
-    float32 gradient, out. Those were two ``[rows, length, vocab]`` float32 arrays:
-    1.46 GiB a chip each at MaxText's 16B on v5e-256 (6 rows of 2,048 over 32,000 ids;
-    docs/aot.md), where its bf16 logits take 0.73.
+    float32 gradient, out. Each is a ``[rows, length, vocab]`` float32 array, 1.46 GiB
+    a chip at MaxText's 16B on v5e-256 (6 rows of 2,048 over 32,000 ids), where its
+    bf16 logits take 0.73: log_softmax's took 1.11 GiB off that program's heap
+    (docs/aot.md), and on XLA:CPU the custom gradient halves the loss's temporaries
+    again (tests/models/test_losses.py).
     """
     return _cross_entropy_forward(logits, targets, confidence, low)[0]
 
