@@ -34,10 +34,7 @@ def cross_entropy_and_metrics(
     confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
     # Entropy of the smoothed target, with 0 * log 0 = 0.
     entropy = -sum(p * math.log(p) * n for p, n in ((confidence, 1), (low, vocab - 1)) if p > 0)
-    cross_entropy = _cross_entropy(logits, targets, confidence, low)
-    # The metrics read the logits through reductions too, and are not differentiated.
-    logits32 = jax.lax.stop_gradient(logits).astype(jnp.float32)
-    label_log_prob = _label_logit(logits32, targets) - jax.nn.logsumexp(logits32, axis=-1)
+    cross_entropy, label_log_prob = _cross_entropy(logits, targets, confidence, low)
     loss = ((cross_entropy - entropy) * weights).sum()
     metrics = {
         "loss": loss,
@@ -53,9 +50,12 @@ def _label_logit(logits: Array, targets: Array) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cross_entropy(logits: Array, targets: Array, confidence: float, low: float) -> Array:
+def _cross_entropy(
+    logits: Array, targets: Array, confidence: float, low: float
+) -> tuple[Array, Array]:
     """Per token, ``-sum_v q_v log p_v`` for ``q = low + (confidence - low) * onehot``
-    and ``p = softmax(logits)``, in float32 whatever the logits' dtype.
+    and ``p = softmax(logits)``, and the label's ``log p``, in float32 whatever the
+    logits' dtype (one logsumexp for both).
 
     ``log p_v = logits_v - logsumexp(logits)`` is never formed as a ``[..., vocab]``
     array, and the gradient comes back in the logits' dtype from one elementwise
@@ -73,20 +73,28 @@ def _cross_entropy(logits: Array, targets: Array, confidence: float, low: float)
 def _cross_entropy_forward(logits, targets, confidence, low):
     logits32 = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(logits32, axis=-1)
-    token_losses = -(confidence - low) * (_label_logit(logits32, targets) - log_norm)
+    label_log_prob = _label_logit(logits32, targets) - log_norm
+    token_losses = -(confidence - low) * label_log_prob
     if low > 0:  # sum_v log p_v = sum_v logits_v - vocab * logsumexp
         token_losses -= low * (logits32.sum(-1) - logits.shape[-1] * log_norm)
-    return token_losses, (logits, targets, log_norm)
+    return (token_losses, label_log_prob), (logits, targets, log_norm)
 
 
-def _cross_entropy_backward(confidence, low, residuals, grad):
-    # d/dlogits_v = (confidence - low + low * vocab) * p_v - (confidence - low) * [v = t] - low
+def _cross_entropy_backward(confidence, low, residuals, grads):
+    # d token_loss / d logits_v = (confidence - low + low * vocab) p_v
+    #                             - (confidence - low) [v = t] - low,
+    # d label_log_prob / d logits_v = [v = t] - p_v.
     logits, targets, log_norm = residuals
+    g_loss, g_label = (g[..., None] for g in grads)
     probs = jnp.exp(logits.astype(jnp.float32) - log_norm[..., None])
     label = jnp.arange(logits.shape[-1]) == targets[..., None]
     scale = confidence - low + low * logits.shape[-1]
-    d_logits = scale * probs - jnp.where(label, confidence - low, 0.0) - low
-    return (d_logits * grad[..., None]).astype(logits.dtype), None
+    d_logits = (
+        (scale * g_loss - g_label) * probs
+        - jnp.where(label, (confidence - low) * g_loss - g_label, 0.0)
+        - low * g_loss
+    )
+    return d_logits.astype(logits.dtype), None
 
 
 _cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)

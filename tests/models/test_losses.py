@@ -39,8 +39,11 @@ def test_the_loss_and_its_gradient_are_the_definitions(label_smoothing):
     want, want_grad = _reference(logits, targets, weights, label_smoothing)
     np.testing.assert_allclose(value, want, rtol=1e-6)
     np.testing.assert_allclose(grad, want_grad, atol=1e-6)
-    nll, _ = _reference(logits, targets, weights, 0.0)
+    nll, nll_grad = _reference(logits, targets, weights, 0.0)
     np.testing.assert_allclose(metrics["nll"], nll, rtol=1e-6)
+    # The nll shares the loss's logsumexp; its own gradient is the unsmoothed one.
+    got = jax.grad(lambda x: loss(x)[1]["nll"])(jnp.asarray(logits))
+    np.testing.assert_allclose(got, nll_grad, atol=1e-6)
     # bf16 logits get a bf16 gradient: the float32 one is never formed (below).
     bf16 = jax.grad(lambda x: loss(x)[0])(jnp.asarray(logits, jnp.bfloat16))
     assert bf16.dtype == jnp.bfloat16
