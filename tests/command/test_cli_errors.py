@@ -653,9 +653,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except FileNotFoundError:
+        return "(gone)"
+
+
 def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
-    """Starts ``launch.local`` (2 processes) on ``workdir``; once ``ready(lines so far)``,
-    SIGKILLs it and checks that none of its processes lives 30 s later. Returns its output."""
+    """Starts ``launch.local`` (2 processes, ``--grace`` 10 s) on ``workdir``; once
+    ``ready(lines so far)``, SIGKILLs it and checks that none of its processes lives 30 s
+    later. Returns its output.
+
+    A process that has not saved and stopped by itself kills itself ``grace`` seconds
+    after its parent-death signal is read; the 20 s beyond it are for that signal's
+    reading on a loaded machine (with the default grace of 30 s, a process killed on
+    time could still be seen alive at the check)."""
     flags = tiny_flags(
         workdir,
         data,
@@ -676,6 +690,7 @@ def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
             "launch.local",
             "--num_processes=2",
             "--cpu_devices=2",
+            "--grace=10",
             "--",
             *flags,
         ],
@@ -700,10 +715,10 @@ def _kill_launcher_when(workdir, data, ready, **overrides) -> list[str]:
     deadline = time.time() + 30
     while any(map(_alive, processes)) and time.time() < deadline:
         time.sleep(0.2)
-    left = [pid for pid in processes if _alive(pid)]
+    left = {pid: _command_line(pid) for pid in processes if _alive(pid)}
     for pid in left:  # do not leave them running if the test fails
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes {left} outlived their launcher by 30 s"
+    assert not left, f"processes {left} outlived their launcher by 30 s:\n" + "".join(lines)[-2000:]
     return lines
 
 
