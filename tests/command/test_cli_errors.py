@@ -7,6 +7,7 @@ The commands run as a user types them, as subprocesses, several at a time (each
 stops before or right after building the model, so they are short).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -830,8 +831,6 @@ def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
         workdir,
         data,
         num_train_steps=100000,
-        # Long loops: the orphaned processes still hold the directory when the new
-        # run asks for it (they stop at the next loop boundary, or after --grace).
         steps_per_loop=100,
         log_every_steps=100,
         checkpoint_every_steps=100,
@@ -839,23 +838,41 @@ def test_a_run_right_after_a_killed_launcher_waits_for_its_processes(tmp_path):
     )
     launch = ["launch.local", "--num_processes=2", "--cpu_devices=2", "--grace=20", "--"]
     launcher = start_command([sys.executable, "-m", *launch, *flags])
+    processes = []
     try:
         for line in launcher.stdout:
             if "[p0] step" in line:
                 break
-        # Past that boundary (its stop check, its save), inside the next 100-step loop:
-        # killed at the boundary itself, the processes could stop there at once and be
-        # gone before the new run starts.
-        time.sleep(2.0)
+        processes = sorted(_descendants(launcher.pid))
     finally:
-        launcher.kill()  # its processes save at the next boundary and exit
+        launcher.kill()
         launcher.wait()
-    result = run_command(
+    # Frozen, its processes hold the directory until the new run has said that it waits
+    # for them, whatever either's speed (running, they could reach a loop boundary, save
+    # and be gone before the new run asks). Frozen only once the launcher is gone: a
+    # stopped process in a process group that its parent's death orphans gets SIGHUP.
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    new_run = start_command(
         tiny_command(workdir, data, num_train_steps=2, steps_per_loop=2, eval_every_steps=0)
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "whose launcher has died: waiting up to 30s for it to save and exit" in result.stderr
-    assert "Traceback" not in result.stderr
+    said = []
+    try:
+        for line in new_run.stdout:
+            said.append(line)
+            if "whose launcher has died" in line:
+                break
+    finally:
+        # Thawed, each takes its parent-death signal: it saves at its loop's end or kills
+        # itself after --grace (20 s), inside the new run's 30 s.
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    out = "".join(said) + new_run.communicate(timeout=300)[0]
+    assert new_run.returncode == 0, out[-3000:]
+    assert "whose launcher has died: waiting up to 30s for it to save and exit" in out, out[-3000:]
+    assert "Traceback" not in out
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.0])
