@@ -282,13 +282,19 @@ class DecoderLayer(nn.Module):
         return (x, None) if cfg.scan_layers else x
 
 
+# The input token table's module: a task's ``lookup_tables`` entry when it is untied.
+TOKEN_TABLE = "token_embedding"
+
+
 class Decoder(nn.Module):
     """The language model; see :class:`DecoderConfig`.
 
     Attributes:
       config: the model's hyperparameters.
       layer_weights: ``(stack name, transform)`` pairs: the weights the stack's layers
-        compute with (:mod:`models.layer_stack`; empty: their parameters).
+        compute with (:mod:`models.layer_stack`; empty: their parameters); and, for an
+        untied input table, ``(TOKEN_TABLE, lookup)``: the table is handed in another
+        form than whole (a shard) and ``lookup(table, ids) -> rows`` reads it.
     """
 
     config: DecoderConfig
@@ -303,7 +309,10 @@ class Decoder(nn.Module):
             param_dtype=cfg.param_dtype,
             stddev=cfg.init_std,
         )
-        self.token_embedding = Embedding(**table)
+        lookup = layer_stack.transform_of(self.layer_weights, TOKEN_TABLE)
+        if lookup is not None and cfg.tie_embeddings:
+            raise ValueError("a tied token table also computes the logits: it is read whole")
+        self.token_embedding = Embedding(**table, lookup=lookup)
         if not cfg.tie_embeddings:
             self.output_embedding = Embedding(**table)
         self.layers = layer_stack.layer_stack(

@@ -28,6 +28,9 @@ class Embedding(nn.Module):
     Attributes:
       stddev: of the initial values; None: ``features ** -0.5`` (the tied logits then
         start at unit scale).
+      lookup: ``(the table as handed, ids) -> rows`` where the table is handed in
+        another form than whole (a trainer's shard of it); None: ``jnp.take``. Such a
+        table is only looked up, never :meth:`attend`-ed.
     """
 
     num_embeddings: int
@@ -35,16 +38,22 @@ class Embedding(nn.Module):
     dtype: Any
     param_dtype: Any
     stddev: float | None = None
+    lookup: Callable[[Array, Array], Array] | None = None
 
     def setup(self) -> None:
         std = self.features**-0.5 if self.stddev is None else self.stddev
         shape = (self.num_embeddings, self.features)
         init = nn.initializers.normal(stddev=std)
+        if self.lookup is not None:  # handed in another shape: nothing to initialise
+            self.embedding = self.get_variable("params", "embedding")
+            return
         self.embedding = self.param(
             "embedding", named(init, "vocab", "embed"), shape, self.param_dtype
         )
 
     def __call__(self, ids: Array) -> Array:
+        if self.lookup is not None:
+            return self.lookup(self.embedding, ids).astype(self.dtype)
         return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
 
     def attend(self, x: Array, result_dtype: Any = jnp.float32) -> Array:

@@ -332,6 +332,34 @@ def test_wus_step_collectives(mesh):
     assert bool(others) == (mesh == "data4_model2")
 
 
+def test_per_layer_looks_rows_up_in_an_untied_table_without_gathering_it():
+    # The CPU program of a step: the input table stays sharded, its rows come by
+    # all-to-all; the output table is gathered and its gradient reduce-scattered.
+    config = llama.get_config("tiny,synthetic")
+    config.model.update(tie_embeddings=False, num_layers=2)
+    config.optimizer.update(update_sharding="per_layer", min_shard_bytes=0)
+    exp = experiment.build(config, with_data=False)
+    _, text = hlo.compile_with_dump(experiment.lower_loop(exp, 2))
+    found = [c for c in hlo.collectives(text, 8) if c.in_loop]
+    table = exp.plan.layouts["token_embedding"]["embedding"]
+    assert table.sharded and table.stored_shape[0] % 8 == 0
+    vocab, emb = table.shape
+    tokens = config.global_batch_size // 8 * config.data.max_length  # a replica's
+
+    def elements(c):
+        return c.result_bytes // {"bf16": 2, "f32": 4, "s32": 4}[c.dtype]
+
+    tables = [c for c in found if c.kind == "all-gather" and elements(c) == vocab * emb]
+    assert len(tables) == 1, found  # the output table's; the input table's is not gathered
+    trades = sorted(elements(c) for c in found if c.kind == "all-to-all")
+    # Forward: the table's columns, then the rows; backward: the rows' cotangents, then
+    # the columns' gradient.
+    assert trades == sorted([vocab * emb // 8, tokens * emb] * 2), trades
+    shard = vocab * emb // 8
+    scatters = [c for c in found if c.kind == "reduce-scatter" and elements(c) == shard]
+    assert len(scatters) == 1, scatters  # the output table's gradient only
+
+
 @pytest.mark.slow  # ~12 s of compiles, cold
 def test_buckets_gather_small_weights_together():
     # After SPMD partitioning (CPU HLO): one bf16 all-gather per bucket, of the bucket's

@@ -14,7 +14,11 @@ never kept: the layer is rematerialised) and reduce-scatters
 the layer's gradient in ``reduce_dtype`` straight into its shard. A chip holds one
 layer's gathered weights at a time, and XLA may start layer i+1's gather while layer
 i computes. The parameters outside the stacks (embeddings, final norms) are gathered
-once and kept, as under ``wus``.
+once and kept, as under ``wus``; except a token table that the model only looks rows up
+in (the task's ``lookup_tables``, an untied input table): it stays sharded, and the
+model reads it through :func:`trainer.parallel.collectives.sharded_lookup`, which
+moves the rows looked up instead of the table (500 MiB a chip for a 32,000 x 8,192
+table in bf16, live through the forward scan when gathered).
 
 The replicas run in a ``shard_map`` over the data axes (the model axis, if any, left
 to the compiler), where the collectives are explicit and their gradients are ours:
@@ -55,7 +59,9 @@ def _axes(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis or ())
 
 
-def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
+def losses(
+    plan, replica_loss: Callable, stacks: Any, lookup_tables: tuple[str, ...] = ()
+) -> Callable:
     """``(stored, model_state, rows, rngs, weight) -> (sum of the replicas' losses,
     (their metric sums, their model states))``: ``replica_loss`` of every data
     replica, on weights gathered as the module doc says.
@@ -64,8 +70,14 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
       plan: the :class:`~trainer.parallel.plan.UpdateShardingPlan` (mode ``per_layer``).
       replica_loss: ``(params, model_state, rows, rng, weight, layer_weights) ->
         (loss, aux)`` of one replica (the step's); ``layer_weights`` are the
-        ``(stack name, transform)`` pairs the model's stacks compute with.
+        ``(stack name, transform)`` pairs the model's stacks compute with, and
+        ``(table's module, lookup)`` for the tables left sharded.
       stacks: a tree like the params: each leaf's stack (``layers``), or "".
+      lookup_tables: the modules whose one parameter, a ``[vocab, features]`` table, the
+        model only looks rows up in, through a ``layer_weights`` entry of the module's
+        name ``(table, ids) -> rows`` (e.g. ``token_embedding``); each stays sharded
+        where :func:`~trainer.parallel.collectives.lookup_eligible`, and is gathered
+        like any other parameter where not.
     """
     mesh = plan.mesh
     data = mesh_lib.data_axes(mesh)
@@ -80,6 +92,13 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
         )[0]
     ]
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
+    replicas = mesh.shape[mesh_lib.DATA_AXIS]
+    # Leaf index -> the module that looks rows up in it, for the tables kept sharded.
+    looked_up = {
+        i: name.partition("/")[0]
+        for i, (name, lay) in enumerate(zip(names, layouts, strict=True))
+        if name.partition("/")[0] in lookup_tables and collectives.lookup_eligible(lay, replicas)
+    }
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
@@ -101,14 +120,20 @@ def losses(plan, replica_loss: Callable, stacks: Any) -> Callable:
 
             return weights
 
-        return {stack: transform(fns) for stack, fns in per_stack.items()}
+        readers = {stack: transform(fns) for stack, fns in per_stack.items()}
+        for i, module in looked_up.items():
+            gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
+            readers[module] = collectives.sharded_lookup(
+                layouts[i], replicas, dtypes[i], gather_dtype, plan.reduce_dtype, partial
+            )
+        return readers
 
     def body(leaves, model_state, rows, rngs, weight):
         dtypes = [x.dtype for x in leaves]
         weights = []
         for i, (lay, x) in enumerate(zip(layouts, leaves, strict=True)):
-            if in_layer[i]:
-                weights.append(x)  # the layers' bodies gather their slices
+            if in_layer[i] or i in looked_up:
+                weights.append(x)  # the layers' bodies gather their slices; lookups read it
             elif lay.sharded:
                 gather_dtype = plan.gather_dtype if low[i] else x.dtype
                 gathered = collectives.gather(

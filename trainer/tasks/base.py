@@ -46,7 +46,8 @@ class Task:
         (metric_sums, new_model_state))`` on one data replica's rows; ``metric_sums``
         holds sums, with the normaliser under ``"weight"``. ``layer_weights``, the
         ``(stack name, transform)`` pairs of :mod:`models.layer_stack`, are the
-        weights the training model's stacks compute with (``per_layer`` gathers).
+        weights the training model's stacks compute with (``per_layer`` gathers),
+        and the readers of its ``lookup_tables``.
       weight_fn: ``batch -> total weight`` the loss sum is divided by (tokens,
         examples), computed on the global batch.
       init_fn: ``(rng, batch) -> variables`` (boxed, with logical axis names).
@@ -63,6 +64,10 @@ class Task:
       input_record: what the training input is (files, sizes, a digest), JSON-able,
         recorded in the work directory for a resume to compare with
         (:mod:`trainer.training.resume_changes`); empty where there is nothing to say.
+      lookup_tables: the training model's modules whose one parameter is a token table
+        it only looks rows up in, reading it through ``layer_weights``' entry of that
+        name, ``(table, ids) -> rows``, when given one: ``per_layer`` then leaves the
+        table sharded (:mod:`trainer.parallel.layer_gather`).
     """
 
     model: nn.Module
@@ -79,3 +84,4 @@ class Task:
     run_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
     input_record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rows_per_epoch: int = 0
+    lookup_tables: tuple[str, ...] = ()

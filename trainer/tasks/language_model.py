@@ -128,4 +128,5 @@ def make_task(
         run_files=_run_files(data),
         input_record=data.input_record if data is not None else {},
         rows_per_epoch=data.rows_per_epoch if data is not None else 0,
+        lookup_tables=() if cfg.tie_embeddings else (decoder.TOKEN_TABLE,),
     )

@@ -152,7 +152,7 @@ def make_step_fns(
         # The replicas in a shard_map whose collectives are explicit: the stacks'
         # layers gather their slices in the scan, and reduce-scatter their gradients
         # in its backward pass (trainer/parallel/layer_gather.py).
-        loss_of_stored = layer_gather.losses(plan, replica_loss, plan.stacks)
+        loss_of_stored = layer_gather.losses(plan, replica_loss, plan.stacks, task.lookup_tables)
         grad_fn = jax.value_and_grad(loss_of_stored, has_aux=True)
 
         def grad_of(model_state, rows, rngs):

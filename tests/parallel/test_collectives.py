@@ -1,0 +1,60 @@
+"""The collectives of trainer/parallel/collectives.py against what they stand for,
+computed on whole arrays with no collective: jnp.take on the whole table, and its
+gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from trainer.parallel import collectives
+from trainer.parallel import mesh as mesh_lib
+from trainer.parallel.layout import LeafLayout
+
+
+@pytest.mark.parametrize(
+    "group, vocab, pad",
+    [
+        (0, 64, 0),
+        (0, 61, 3),  # padded rows: never looked up, zero gradient
+        (4, 40, 0),  # partial sharding (2 replicas of 4): summed over the replicas
+    ],
+)
+def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad):
+    features, dtype = 16, jnp.float32
+    mesh = mesh_lib.make_mesh({"data": 8, "model": 1}, shard_group_size=group)
+    data = mesh_lib.data_axes(mesh)
+    n, partial = mesh.shape["data"], mesh.shape.get("replica", 1) > 1
+    lay = LeafLayout((vocab, features), ((), ()), sharded=True, start=0, stop=1, pad=pad)
+    assert collectives.lookup_eligible(lay, n)
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(vocab, features)).astype(np.float32)
+    # 8 replicas' rows of 5 tokens; ids repeat within and across replicas.
+    ids = rng.integers(0, vocab, size=(8, 2, 5)).astype(np.int32)
+    cotangent = jnp.asarray(rng.normal(size=(8, 2, 5, features)), jnp.bfloat16)
+    lookup = collectives.sharded_lookup(lay, n, dtype, jnp.bfloat16, jnp.float32, partial)
+
+    def per_replica(shard, ids, cotangent):
+        rows, vjp = jax.vjp(lambda s: lookup(s, ids[0]), shard)
+        return rows[None], vjp(cotangent[0])[0]
+
+    stored = np.concatenate([table, np.zeros((pad, features), np.float32)])
+    rows, grad = jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P("data"), P(data), P(data)),
+            out_specs=(P(data), P("data")),
+            check_vma=False,
+        )
+    )(stored, ids, cotangent)
+
+    whole = jnp.asarray(table).astype(jnp.bfloat16)  # the rows travel in gather_dtype
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(whole[ids]))
+    assert rows.dtype == jnp.bfloat16
+    # The gradient: every replica's cotangents summed into the rows of their ids.
+    want = np.zeros((vocab + pad, features), np.float64)
+    np.add.at(want, ids.reshape(-1), np.asarray(cotangent, np.float64).reshape(-1, features))
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(grad)[vocab:].any()
