@@ -332,6 +332,7 @@ def test_wus_step_collectives(mesh):
     assert bool(others) == (mesh == "data4_model2")
 
 
+@pytest.mark.slow  # a step's compile: 10-17 s
 def test_per_layer_looks_rows_up_in_an_untied_table_without_gathering_it():
     # The CPU program of a step: the input table stays sharded, its rows come by
     # all-to-all; the output table is gathered and its gradient reduce-scattered.
