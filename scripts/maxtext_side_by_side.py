@@ -22,13 +22,18 @@ weight decay 0.1, clipping at 1.0), random tokens; MaxText's FSDP over the 8 dev
 Step time: MaxText's is the wall time between consecutive ``completed step`` lines from
 step 2 on (its own ``seconds`` field times dispatch to dispatch); ours is a compiled
 loop's wall time over its steps, the first loop left out. Peak RSS: the process's
-``ru_maxrss`` (``os.wait4``). Compiles: JAX's ``Finished XLA compilation`` lines
-(``JAX_LOG_COMPILES=1``): the training step's, and all of a run's.
+``ru_maxrss`` (``os.wait4``); and its peak while training: the kernel's high-water
+mark (``VmHWM``, read every 20 ms) at the last step's line, before the end of the run.
+The two differ where a run does more after its last step: ours writes its final
+checkpoint (``checkpoint_every_steps=0`` saves at the end all the same), MaxText's runs
+here do not (``enable_checkpointing=false``). Compiles: JAX's ``Finished XLA
+compilation`` lines (``JAX_LOG_COMPILES=1``): the training step's, and all of a run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -37,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,6 +180,9 @@ def our_args(size: dict, dtype: str, workdir: str, mode: str) -> list[str]:
         "model.remat": "full",
         "model.rope_theta": 10000,
         "model.dtype": dtype,
+        # MaxText's logits_dot_in_fp32: false (its default): the output projection's
+        # product in the activations' dtype, cast to float32 after (cast_logits_to_fp32).
+        "model.logits_dtype": dtype,
         "model.param_dtype": "float32",
         "global_batch_size": size["batch"],
         "num_train_steps": size["steps"],
@@ -205,21 +214,40 @@ def run(command: list[str], cwd: str, env: dict, log: str) -> dict:
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines = []
+    lines, high_water = [], []  # (seconds since the start, VmHWM GiB)
+
+    def watch():
+        while process.poll() is None:
+            with contextlib.suppress(OSError), open(f"/proc/{process.pid}/status") as f:
+                for row in f:
+                    if row.startswith("VmHWM:"):
+                        stamp = time.monotonic() - start
+                        high_water.append((stamp, int(row.split()[1]) / 2**20))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     with open(log, "w") as f:
         for line in process.stdout:
             stamp = time.monotonic() - start
             lines.append((stamp, line.rstrip("\n")))
             f.write(f"{stamp:9.3f} {line}")
     _, status, usage = os.wait4(process.pid, 0)
+    watcher.join()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"error: {' '.join(command[:4])} ... failed; its output is in {log}")
     return dict(
         lines=lines,
+        high_water=high_water,
         wall_s=time.monotonic() - start,
         peak_rss_gib=usage.ru_maxrss / 2**20,
         load=(load_before, os.getloadavg()[0]),
     )
+
+
+def training_peak(out: dict, last_step: float) -> float:
+    """The process's peak RSS (GiB) up to ``last_step`` seconds: its last step's line."""
+    return max(gib for stamp, gib in out.pop("high_water") if stamp <= last_step)
 
 
 def compiles(lines) -> tuple[float, float]:
@@ -258,6 +286,7 @@ def measure_maxtext(python: str, base: str, size: dict, dtype: str, log: str) ->
     ]
     deltas = [(n, t - steps[i - 1][1]) for i, (n, t) in enumerate(steps) if i > 0 and n >= 2]
     out["step_s"] = statistics.median(d for _, d in deltas)
+    out["train_rss_gib"] = training_peak(out, steps[-1][1])
     out["train_compile_s"], out["all_compiles_s"] = compiles(out["lines"])
     return out
 
@@ -271,6 +300,8 @@ def measure_ours(size: dict, dtype: str, mode: str, log: str) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out["step_s"] = statistics.median(windows[1:])
+    last = max(t for t, line in out["lines"] if re.match(r"step +\d+/\d+ \|", line))
+    out["train_rss_gib"] = training_peak(out, last)
     out["train_compile_s"], out["all_compiles_s"] = compiles(out["lines"])
     params = [
         m.group(1)
@@ -348,7 +379,8 @@ def main() -> None:
                 m = measured[who]
                 print(
                     f"{size_name} round {r} {who:9s}: step {m['step_s']:.3f} s, peak RSS "
-                    f"{m['peak_rss_gib']:.2f} GiB, train-step compile {m['train_compile_s']:.1f} s "
+                    f"{m['peak_rss_gib']:.2f} GiB ({m['train_rss_gib']:.2f} training), "
+                    f"train-step compile {m['train_compile_s']:.1f} s "
                     f"(all {m['all_compiles_s']:.1f} s), wall {m['wall_s']:.0f} s, load "
                     f"{m['load'][0]:.1f} -> {m['load'][1]:.1f}",
                     flush=True,
@@ -367,9 +399,10 @@ def _report(size_name: str, size: dict, params: int, rounds: list[dict], modes: 
     print(f"\n{size_name}: {params:,} parameters on both; {len(rounds)} rounds, medians")
     print(
         "| who | step s | tokens/s | step / MaxText's | peak RSS GiB | RSS / MaxText's "
-        "| train-step compile s | all compiles s |"
+        "| peak RSS training GiB | training RSS / MaxText's | train-step compile s "
+        "| all compiles s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = [("MaxText", "maxtext")] + [(f"ours, {m}", m) for m in modes]
     for label, who in rows:
         runs = [r[who] for r in rounds]
@@ -379,9 +412,14 @@ def _report(size_name: str, size: dict, params: int, rounds: list[dict], modes: 
         rss_ratio = statistics.median(
             x["peak_rss_gib"] / y["peak_rss_gib"] for x, y in zip(runs, mt, strict=True)
         )
+        training = statistics.median(x["train_rss_gib"] for x in runs)
+        training_ratio = statistics.median(
+            x["train_rss_gib"] / y["train_rss_gib"] for x, y in zip(runs, mt, strict=True)
+        )
         print(
             f"| {label} | {step:.3f} | {tokens / step:,.0f} | {ratio:.2f}x | {rss:.2f} | "
-            f"{rss_ratio:.2f}x | {statistics.median(x['train_compile_s'] for x in runs):.1f} | "
+            f"{rss_ratio:.2f}x | {training:.2f} | {training_ratio:.2f}x | "
+            f"{statistics.median(x['train_compile_s'] for x in runs):.1f} | "
             f"{statistics.median(x['all_compiles_s'] for x in runs):.1f} |"
         )
     print(flush=True)

@@ -18,7 +18,7 @@ once and kept, as under ``wus``; except a token table that the model only looks 
 in (the task's ``lookup_tables``, an untied input table): it stays sharded, and the
 model reads it through :func:`trainer.parallel.collectives.sharded_lookup`, which
 moves the rows looked up instead of the table (500 MiB a chip for a 32,000 x 8,192
-table in bf16, live through the forward scan when gathered).
+table in bf16) and its gradient.
 
 The replicas run in a ``shard_map`` over the data axes (the model axis, if any, left
 to the compiler), where the collectives are explicit and their gradients are ours:
