@@ -215,9 +215,10 @@ def run(command: list[str], cwd: str, env: dict, log: str) -> dict:
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines, high_water = [], []  # (seconds since the start, VmHWM GiB)
+    done = threading.Event()  # the output ended (process.poll() here would reap it)
 
     def watch():
-        while process.poll() is None:
+        while not done.is_set():
             with contextlib.suppress(OSError), open(f"/proc/{process.pid}/status") as f:
                 for row in f:
                     if row.startswith("VmHWM:"):
@@ -232,8 +233,9 @@ def run(command: list[str], cwd: str, env: dict, log: str) -> dict:
             stamp = time.monotonic() - start
             lines.append((stamp, line.rstrip("\n")))
             f.write(f"{stamp:9.3f} {line}")
-    _, status, usage = os.wait4(process.pid, 0)
+    done.set()
     watcher.join()
+    _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"error: {' '.join(command[:4])} ... failed; its output is in {log}")
     return dict(
