@@ -249,7 +249,7 @@ def run(command: list[str], cwd: str, env: dict, log: str) -> dict:
 
 def training_peak(out: dict, last_step: float) -> float:
     """The process's peak RSS (GiB) up to ``last_step`` seconds: its last step's line."""
-    return max(gib for stamp, gib in out.pop("high_water") if stamp <= last_step)
+    return max(gib for stamp, gib in out["high_water"] if stamp <= last_step)
 
 
 def compiles(lines) -> tuple[float, float]:
@@ -387,7 +387,7 @@ def main() -> None:
                     f"{m['load'][0]:.1f} -> {m['load'][1]:.1f}",
                     flush=True,
                 )
-                del m["lines"]
+                del m["lines"], m["high_water"]
             rounds.append(measured)
         results[size_name] = dict(params=theirs, rounds=rounds)
         _report(size_name, size, theirs, rounds, modes)

@@ -94,10 +94,11 @@ def losses(
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
     # Leaf index -> the module that looks rows up in it, for the tables kept sharded.
+    modules = [name.partition("/")[0] for name in names]
     looked_up = {
-        i: name.partition("/")[0]
-        for i, (name, lay) in enumerate(zip(names, layouts, strict=True))
-        if name.partition("/")[0] in lookup_tables and collectives.lookup_eligible(lay, replicas)
+        i: module
+        for i, (module, lay) in enumerate(zip(modules, layouts, strict=True))
+        if module in lookup_tables and collectives.lookup_eligible(lay, replicas)
     }
 
     def transforms(dtypes) -> dict[str, Callable]:
