@@ -82,15 +82,13 @@ def losses(
     mesh = plan.mesh
     data = mesh_lib.data_axes(mesh)
     partial = mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1
-    layouts, treedef = jax.tree.flatten(plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)
+    )
+    names = [param_name(path) for path, _ in flat]
+    layouts = [lay for _, lay in flat]
     low = treedef.flatten_up_to(plan.low_precision)
     stack_of = treedef.flatten_up_to(stacks)
-    names = [
-        param_name(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(
-            plan.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)
-        )[0]
-    ]
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
     # Leaf index -> the module that looks rows up in it, for the tables kept sharded.
