@@ -408,21 +408,19 @@ def _report(size_name: str, size: dict, params: int, rounds: list[dict], modes: 
     rows = [("MaxText", "maxtext")] + [(f"ours, {m}", m) for m in modes]
     for label, who in rows:
         runs = [r[who] for r in rounds]
-        step = statistics.median(x["step_s"] for x in runs)
-        ratio = statistics.median(x["step_s"] / y["step_s"] for x, y in zip(runs, mt, strict=True))
-        rss = statistics.median(x["peak_rss_gib"] for x in runs)
-        rss_ratio = statistics.median(
-            x["peak_rss_gib"] / y["peak_rss_gib"] for x, y in zip(runs, mt, strict=True)
-        )
-        training = statistics.median(x["train_rss_gib"] for x in runs)
-        training_ratio = statistics.median(
-            x["train_rss_gib"] / y["train_rss_gib"] for x, y in zip(runs, mt, strict=True)
-        )
+
+        def median(key, runs=runs):
+            return statistics.median(x[key] for x in runs)
+
+        def ratio(key, runs=runs):  # within each round, then the median
+            return statistics.median(x[key] / y[key] for x, y in zip(runs, mt, strict=True))
+
+        step = median("step_s")
         print(
-            f"| {label} | {step:.3f} | {tokens / step:,.0f} | {ratio:.2f}x | {rss:.2f} | "
-            f"{rss_ratio:.2f}x | {training:.2f} | {training_ratio:.2f}x | "
-            f"{statistics.median(x['train_compile_s'] for x in runs):.1f} | "
-            f"{statistics.median(x['all_compiles_s'] for x in runs):.1f} |"
+            f"| {label} | {step:.3f} | {tokens / step:,.0f} | {ratio('step_s'):.2f}x | "
+            f"{median('peak_rss_gib'):.2f} | {ratio('peak_rss_gib'):.2f}x | "
+            f"{median('train_rss_gib'):.2f} | {ratio('train_rss_gib'):.2f}x | "
+            f"{median('train_compile_s'):.1f} | {median('all_compiles_s'):.1f} |"
         )
     print(flush=True)
 
