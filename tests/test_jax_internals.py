@@ -56,20 +56,54 @@ def _scan_of_layers(p, x):
     return jax.lax.scan(body, x, p["stack"])[0]
 
 
-# Name -> (the use of parameter p, whether every use rounds it to bf16). Each kind of
-# the table's CALLS is followed into, and what must not be followed is not.
+# Name -> (the use of parameter p, whether every use rounds it to bf16, whether it
+# may also reach the use rounded: nothing of its gradient summed before the rounding).
+# Each kind of the table's CALLS is followed into, and what must not be followed is not.
 CASES = {
-    "plain cast": (lambda p, x: _bf16(p["w"]).sum(), True),
-    "moved, then cast": (lambda p, x: _bf16(p["w"].T.reshape(-1)[:4]).sum(), True),
-    "used in float32": (lambda p, x: (p["w"] * 2).sum(), False),
-    "cast to float16": (lambda p, x: p["w"].astype(jnp.float16).sum(), False),
-    "jit": (lambda p, x: jax.jit(_bf16)(p["w"]).sum(), True),
-    "remat": (lambda p, x: jax.checkpoint(lambda w: _bf16(w) * 2)(p["w"]).sum(), True),
-    "custom_vjp": (lambda p, x: _custom_vjp(p["w"]).sum(), True),
-    "custom_jvp": (lambda p, x: _custom_jvp(p["w"]).sum(), True),
-    "cond": (lambda p, x: jax.lax.cond(x.sum() > 0, _sum_bf16, _max_bf16, p["w"]), True),
+    "plain cast": (lambda p, x: _bf16(p["w"]).sum(), True, True),
+    "moved, then cast": (lambda p, x: _bf16(p["w"].T.reshape(-1)[:4]).sum(), True, True),
+    "cast, then used twice": (lambda p, x: (lambda b: (b @ b).sum())(_bf16(p["w"])), True, True),
+    "used twice, then cast": (
+        lambda p, x: _bf16(p["w"]).sum() + _bf16(p["w"].T).max(),
+        True,
+        False,
+    ),
+    "rows looked up, then cast": (
+        lambda p, x: _bf16(jnp.take(p["w"], x.astype(jnp.int32), axis=0)).sum(),
+        True,
+        False,
+    ),
+    "broadcast, then cast": (
+        lambda p, x: _bf16(jnp.broadcast_to(p["w"], (3, 4, 4))).sum(),
+        True,
+        False,
+    ),
+    "used in float32": (lambda p, x: (p["w"] * 2).sum(), False, False),
+    "cast to float16": (lambda p, x: p["w"].astype(jnp.float16).sum(), False, False),
+    "jit": (lambda p, x: jax.jit(_bf16)(p["w"]).sum(), True, True),
+    "remat": (lambda p, x: jax.checkpoint(lambda w: _bf16(w) * 2)(p["w"]).sum(), True, True),
+    # A derivative of the user's may sum anything: not kept.
+    "custom_vjp": (lambda p, x: _custom_vjp(p["w"]).sum(), True, False),
+    "custom_jvp": (lambda p, x: _custom_jvp(p["w"]).sum(), True, False),
+    "cond": (
+        lambda p, x: jax.lax.cond(x.sum() > 0, _sum_bf16, _max_bf16, p["w"]),
+        True,
+        True,
+    ),
     "cond, one branch in float32": (
         lambda p, x: jax.lax.cond(x.sum() > 0, _sum_bf16, jnp.sum, p["w"]),
+        False,
+        False,
+    ),
+    # A stack's slices, one a trip, against a constant used on every trip.
+    "scan over its rows": (
+        lambda p, x: jax.lax.scan(lambda c, row: (c + _sum_bf16(row), None), 0.0, p["w"])[0],
+        True,
+        True,
+    ),
+    "scan constant": (
+        lambda p, x: jax.lax.scan(lambda c, _: (c + _sum_bf16(p["w"]), None), 0.0, x)[0],
+        True,
         False,
     ),
     # A carry comes back from the body as the next trip's input: not followed out of
@@ -77,12 +111,14 @@ CASES = {
     "scan carry": (
         lambda p, x: jax.lax.scan(lambda c, _: (c.T, _sum_bf16(c)), p["w"], x)[1].sum(),
         False,
+        False,
     ),
     # Not in the table (its condition and body take different operands): not followed.
     "while": (
         lambda p, x: jax.lax.while_loop(
             lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + _sum_bf16(p["w"])), (0, 0.0)
         )[1],
+        False,
         False,
     ),
 }
@@ -98,10 +134,50 @@ def _max_bf16(w):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_precision_pass_follows_every_kind_of_call(name):
-    use, rounded = CASES[name]
+    use, rounded, kept = CASES[name]
     params = {"w": jnp.ones((4, 4))}
-    flags = precision.low_precision_params(use, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16)
-    assert flags == {"w": rounded}
+    flags = precision.params_precision(use, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16)
+    assert flags == precision.Precision(low={"w": rounded}, kept={"w": kept})
+
+
+# Name -> a loss of weights w [3, 4, 4] whose cotangents are not round numbers, so that
+# summing them in bf16 shows.
+GRADIENT_CASES = {
+    "a stack's layers, scanned": lambda w, x: jax.lax.scan(
+        lambda h, layer: (jnp.tanh(_bf16(h) @ _bf16(layer)).astype(jnp.float32), None), x, w
+    )[0].sum(),
+    "moved, then cast once": lambda w, x: (_bf16(x) @ _bf16(w.transpose(0, 2, 1)[1])).sum(),
+    "used twice, then cast": lambda w, x: (
+        jnp.tanh(_bf16(x) @ _bf16(w[0])).astype(jnp.float32).sum()
+        + jnp.cos(_bf16(x) @ _bf16(w[0])).astype(jnp.float32).sum()
+    ),
+    "rows looked up, then cast": lambda w, x: (
+        jnp.tanh(_bf16(jnp.take(w[0], jnp.array([1, 1, 1, 2]), axis=0)) @ _bf16(x.T))
+        .astype(jnp.float32)
+        .sum()
+    ),
+    "a constant of the loop": lambda w, x: jax.lax.scan(
+        lambda h, _: (jnp.tanh(_bf16(h) @ _bf16(w[0])).astype(jnp.float32), None),
+        x,
+        None,
+        length=3,
+    )[0].sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
+def test_a_weight_is_kept_rounded_exactly_where_its_gradient_is_unchanged(name):
+    # The independent check of the pass's second answer: the gradient of weights handed
+    # over already rounded to bf16 (cast up, as the reduction does), against that of the
+    # float32 weights.
+    loss = GRADIENT_CASES[name]
+    w = jax.random.normal(jax.random.key(0), (3, 4, 4), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 4), jnp.float32)
+    kept = precision.params_precision(loss, w, x, low_dtype=jnp.bfloat16).kept
+    got = jax.grad(loss)(w.astype(jnp.bfloat16), x)
+    assert got.dtype == jnp.bfloat16
+    want = jax.grad(loss)(w, x)
+    assert kept == bool(jnp.array_equal(got.astype(jnp.float32), want)), (kept, got - want)
 
 
 def test_the_precision_pass_follows_a_scan_over_layers_and_shard_map():
@@ -113,8 +189,10 @@ def test_the_precision_pass_follows_a_scan_over_layers_and_shard_map():
         inside = jax.shard_map(_bf16, mesh=mesh, in_specs=P(), out_specs=P())(p["stack"])
         return h.sum() + inside.sum()
 
-    flags = precision.low_precision_params(loss, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16)
-    assert flags == {"stack": True, "shared": True, "norm": False}
+    flags = precision.params_precision(loss, params, jnp.ones((2, 4)), low_dtype=jnp.bfloat16)
+    assert flags.low == {"stack": True, "shared": True, "norm": False}
+    # The stack is used twice (the scan and the shard_map); the shared weight on every trip.
+    assert flags.kept == {"stack": False, "shared": False, "norm": False}
 
 
 def test_every_call_primitive_it_follows_exists_under_this_jax():
@@ -129,7 +207,7 @@ def test_every_call_primitive_it_follows_exists_under_this_jax():
                 walk(sub)
 
     x = jnp.ones((2, 4))
-    for use, _ in CASES.values():
+    for use, *_ in CASES.values():
         walk(jax.make_jaxpr(use)({"w": jnp.ones((4, 4))}, x).jaxpr)
     calls = seen & set(jax_internals.CALLS)
     assert {"scan", "cond"} <= calls

@@ -7,8 +7,9 @@ have no public form, and are read here only:
   ``jax.distributed.initialize()`` would join (its detectors), and the coordinator's
   key-value store, where a job's processes watch each other.
 * **Primitive names and parameter keys of jaxprs** (:data:`ELEMENT_MOVES`,
-  :data:`CAST`, :data:`CALLS`): ``jax.make_jaxpr`` and a jaxpr's documented structure
-  (``eqns``, ``invars``, ``outvars``, ``primitive.name``, ``params``: JAX's
+  :data:`SUMMING_MOVES`, :data:`CAST`, :data:`CALLS`, :data:`CUSTOM_DERIVATIVES`):
+  ``jax.make_jaxpr`` and a jaxpr's documented structure (``eqns``, ``invars``,
+  ``outvars``, ``primitive.name``, ``params``, a variable's ``aval``: JAX's
   "Understanding jaxprs") are public, but which primitives exist and what their
   ``params`` are called is not: jax 0.11 replaced ``scan``'s ``num_consts`` and
   ``num_carry`` with ``ft_in``. The precision pass
@@ -93,6 +94,11 @@ ELEMENT_MOVES: dict[str, Callable[[int], bool]] = {
     "select_n": lambda i: i > 0,
 }
 
+# Of those, the ones whose transpose adds cotangents up: a broadcast's sums its copies,
+# a gather's scatter-adds rows that may repeat. A weight moved through one and then
+# rounded has its gradient summed after the rounding if handed to the model rounded.
+SUMMING_MOVES = frozenset({"broadcast_in_dim", "gather"})
+
 # The cast, and the key of its target dtype.
 CAST = ("convert_element_type", "new_dtype")
 
@@ -117,6 +123,20 @@ CALLS = {
     "scan": "loop",
     "cond": "after_index",
 }
+
+
+# Calls whose derivative is the user's, not the transpose of their body: what they
+# sum on the way back cannot be read from the jaxpr.
+CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def sliced_per_trip(operand, body_input) -> bool:
+    """Whether a loop's ``operand`` reaches its body ``body_input`` a slice at a time
+    (a scan's ``xs``), told by shape: the body's input has the operand's shape less its
+    leading dim, where a scan's constants and carries keep the operand's own shape.
+    A slice's cotangent is written into its trip's row, never added across trips."""
+    outer, inner = tuple(operand.aval.shape), tuple(body_input.aval.shape)
+    return len(outer) == len(inner) + 1 and outer[1:] == inner
 
 
 def cast_dtype(eqn) -> Any | None:

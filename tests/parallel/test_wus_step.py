@@ -34,6 +34,7 @@ from trainer.input import feed as feed_lib
 from trainer.parallel import batches as batches_lib
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as us
+from trainer.parallel import precision
 from trainer.parallel import rules as rules_lib
 from trainer.parallel import transform as ut
 from trainer.training import experiment, layerwise, optimizers
@@ -387,3 +388,63 @@ def test_remat_recomputes_the_same_step():
     for remat in ("full", "dots"):
         np.testing.assert_allclose(runs[remat][1]["loss"], runs["none"][1]["loss"], rtol=1e-6)
         assert_close(runs[remat][0], runs["none"][0], 1e-6, f"remat={remat}")
+
+
+@pytest.mark.parametrize(
+    "model, mode",
+    [
+        ("scanned", "wus"),
+        ("scanned", "per_layer"),
+        ("data8", "wus"),
+        pytest.param("scanned", "fsdp", marks=pytest.mark.slow),
+    ],
+)
+def test_rounded_weights_reach_the_model_in_bf16_with_the_gradients_of_f32_weights(
+    model, mode, monkeypatch
+):
+    # The 2+2-layer Transformer with bf16 compute: the kernels the model rounds once are
+    # handed to it in bf16, a stack's to the layers' scan whole (not cast back to f32,
+    # which would make the scan's operand a float32 copy of the stack), and the
+    # gradients are still those of plain data parallelism on f32 weights.
+    config = tiny(mode, "sgd", mesh=model, dtype="bfloat16")
+    config.optimizer.update(clip_norm=0.0, warmup_steps=0, learning_rate=1.0, weight_decay=0.0)
+    before, state, batches, exp, _ = run(config, steps=1)
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(before)]
+    handed = {n for n, h in zip(names, exp.plan.handed_low, strict=True) if h}
+    # Every sharded kernel and bias of attention and the MLPs; not the norms (used in
+    # f32), nor the token table shared by the input and the output (looked up, and used
+    # twice). (Replicated weights are not gathered: passed on as stored.)
+    sharded = [lay.sharded for lay in jax.tree.leaves(exp.plan.layouts, is_leaf=us.is_layout)]
+    assert handed == {
+        n
+        for n, shard in zip(names, sharded, strict=True)
+        if shard and "norm" not in n and "embedding" not in n
+    }
+    if mode == "wus":
+        with jax.set_mesh(exp.mesh):
+            weights = jax.eval_shape(exp.plan.gather, state.params)
+        dtypes = {n: w.dtype.name for n, w in zip(names, jax.tree.leaves(weights), strict=True)}
+        assert dtypes == {n: "bfloat16" if n in handed else "float32" for n in names}
+    got = jax.tree.map(np.subtract, before, logical(exp, state.params))  # SGD, lr 1: the grads
+    if mode == "per_layer":
+        # Its shard_map program rounds the activations where GSPMD's does not (1e-4
+        # apart in bf16 with or without this): against the same run with every weight
+        # cast back to f32, bit for bit.
+        precision_of = precision.params_precision
+        monkeypatch.setattr(
+            precision,
+            "params_precision",
+            lambda *a, **k: precision_of(*a, **k)._replace(
+                kept=jax.tree.map(lambda _: False, before)
+            ),
+        )
+        before_f32, state_f32, _, exp_f32, _ = run(config, steps=1)
+        assert not any(exp_f32.plan.handed_low)
+        want = jax.tree.map(np.subtract, before_f32, logical(exp, state_f32.params))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    else:
+        want = jax.tree.map(
+            np.subtract, reference(exp, optax.identity(), before, batches, 1), before
+        )
+        assert_close(got, want, 1e-7, f"bf16 compute, {mode}, grads")
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2

@@ -47,17 +47,19 @@ def on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
 
 
 def gather(
-    lay: LeafLayout, dtype, gather_dtype, reduce_dtype, partial: bool
+    lay: LeafLayout, dtype, gather_dtype, reduce_dtype, partial: bool, handed_low: bool = False
 ) -> Callable[[jax.Array], jax.Array]:
     """The local shard of a parameter stored as ``lay`` -> the whole parameter in its
-    logical shape and ``dtype``, all-gathered in ``gather_dtype``; its gradient is
-    reduce-scattered in ``reduce_dtype`` into the shard (and summed over the
-    ``replica`` axis where sharding is ``partial``)."""
+    logical shape and ``dtype`` (``gather_dtype`` where ``handed_low``: see
+    :attr:`~trainer.parallel.plan.UpdateShardingPlan.handed_low`), all-gathered in
+    ``gather_dtype``; its gradient is reduce-scattered in ``reduce_dtype`` into the
+    shard (and summed over the ``replica`` axis where sharding is ``partial``), and
+    comes back in ``dtype``."""
 
     @jax.custom_vjp
     def gathered(shard):
         whole = on_major_dim(all_gather, shard.astype(gather_dtype), lay.dim)
-        return lay.to_logical(whole).astype(dtype)
+        return lay.to_logical(whole).astype(gather_dtype if handed_low else dtype)
 
     def forward(shard):
         return gathered(shard), None

@@ -88,6 +88,7 @@ def losses(
     names = [param_name(path) for path, _ in flat]
     layouts = [lay for _, lay in flat]
     low = treedef.flatten_up_to(plan.low_precision)
+    handed_low = plan.handed_low
     stack_of = treedef.flatten_up_to(stacks)
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
@@ -99,15 +100,19 @@ def losses(
         if module in lookup_tables and collectives.lookup_eligible(lay, replicas)
     }
 
+    def gather_of(i, lay, dtype):
+        # Leaf i's gather (lay: its layout, or a layer's slice of it).
+        gather_dtype = plan.gather_dtype if low[i] else dtype
+        return collectives.gather(
+            lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i]
+        )
+
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
         per_stack: dict[str, dict[str, Callable]] = {}
         for i, lay in enumerate(layouts):
             if in_layer[i]:
-                gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
-                fn = collectives.gather(
-                    lay.in_layer(), dtypes[i], gather_dtype, plan.reduce_dtype, partial
-                )
+                fn = gather_of(i, lay.in_layer(), dtypes[i])
                 stack, _, rest = names[i].partition("/")
                 per_stack.setdefault(stack_of[i], {})[rest] = fn
 
@@ -134,11 +139,7 @@ def losses(
             if in_layer[i] or i in looked_up:
                 weights.append(x)  # the layers' bodies gather their slices; lookups read it
             elif lay.sharded:
-                gather_dtype = plan.gather_dtype if low[i] else x.dtype
-                gathered = collectives.gather(
-                    lay, x.dtype, gather_dtype, plan.reduce_dtype, partial
-                )
-                weights.append(gathered(x))
+                weights.append(gather_of(i, lay, x.dtype)(x))
             else:  # replicated: the shard_map's transpose sums its gradient over data
                 weights.append(x)
         params = jax.tree.unflatten(treedef, weights)

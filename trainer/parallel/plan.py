@@ -72,6 +72,8 @@ class UpdateShardingPlan:
       mode: one of :data:`MODES`.
       layouts: a tree of :class:`LeafLayout`, shaped like the params.
       low_precision: a tree of bools: gather this parameter in ``gather_dtype``.
+      kept_low: a tree of bools: of those, the ones handed to the model still in
+        ``gather_dtype`` (:class:`trainer.parallel.precision.Precision`); None: none.
       gather_dtype: dtype the low-precision weights are all-gathered in.
       reduce_dtype: dtype gradients are summed in.
       gather_buckets: groups of sharded parameters (indices into the flattened
@@ -87,6 +89,7 @@ class UpdateShardingPlan:
     mode: str
     layouts: Any
     low_precision: Any
+    kept_low: Any = None
     gather_dtype: Any = jnp.bfloat16
     reduce_dtype: Any = jnp.float32
     gather_buckets: tuple[tuple[int, ...], ...] = ()
@@ -98,6 +101,20 @@ class UpdateShardingPlan:
     def _flat(self):
         layouts, treedef = jax.tree.flatten(self.layouts, is_leaf=is_layout)
         return layouts, treedef.flatten_up_to(self.low_precision), treedef
+
+    @property
+    def handed_low(self) -> list[bool]:
+        """Per leaf (flattened as the layouts): whether its gathered weight reaches the
+        model in ``gather_dtype`` rather than cast back to its own: sharded, gathered in
+        ``gather_dtype``, and rounded once by the model with nothing of its gradient
+        summed before (``kept_low``). Cast back, a layer stack would enter the layers'
+        scan as a float32 copy of the stacked model, held to the backward pass; the
+        numbers are the same either way."""
+        layouts, low, treedef = self._flat()
+        if self.kept_low is None:
+            return [False] * len(layouts)
+        kept = treedef.flatten_up_to(self.kept_low)
+        return [lay.sharded and lo and k for lay, lo, k in zip(layouts, low, kept, strict=True)]
 
     @property
     def regather(self) -> bool:
@@ -172,8 +189,9 @@ class UpdateShardingPlan:
         Dim 0 is split over the data axes, so each device holds its replica's
         copy. Sharded weights are all-gathered - in ``gather_dtype`` where
         ``low_precision`` says every consumer rounds them anyway - and come
-        back in their own dtype; replicated weights are passed on untouched.
-        Differentiable: the VJP is :meth:`reduce`.
+        back in their own dtype, or still in ``gather_dtype`` where
+        :attr:`handed_low`; replicated weights are passed on untouched.
+        Differentiable: the VJP is :meth:`reduce`, into the stored dtypes.
 
         Everything happens inside one ``shard_map`` (formatting included), so a
         rematerialisation policy can tell the gathered weights apart by their
@@ -187,14 +205,17 @@ class UpdateShardingPlan:
         def forward(stored):
             return self._gather(stored), None
 
+        dtypes = jax.tree.map(lambda x: x.dtype, stored)
+
         def backward(_, per_replica_grads):
-            return (self.reduce(per_replica_grads),)
+            return (self.reduce(per_replica_grads, dtypes),)
 
         gathered.defvjp(forward, backward)
         return gathered(stored)
 
     def _gather(self, stored):
         layouts, low, treedef = self._flat()
+        handed_low = self.handed_low
         bucketed = {i: bucket for bucket in self.gather_buckets for i in bucket}
         replicas = self.mesh.shape[mesh_lib.DATA_AXIS]
 
@@ -214,7 +235,8 @@ class UpdateShardingPlan:
                     x = gathered[i]
                 elif lay.sharded:
                     x = collectives.on_major_dim(collectives.all_gather, x, lay.dim)
-                out.append(lay.to_logical(x).astype(leaves[i].dtype)[None])
+                dtype = self.gather_dtype if handed_low[i] else leaves[i].dtype
+                out.append(lay.to_logical(x).astype(dtype)[None])
             return tuple(out)
 
         gathered = jax.shard_map(
@@ -228,27 +250,31 @@ class UpdateShardingPlan:
         )(*treedef.flatten_up_to(stored))
         return jax.tree.unflatten(treedef, gathered)
 
-    def reduce(self, per_replica_grads):
+    def reduce(self, per_replica_grads, dtypes=None):
         """Sums per-replica gradients into the stored layout.
 
         Args:
           per_replica_grads: tree of ``[replicas, *logical_shape]`` arrays, dim 0
             split over the data axes (one row per replica).
+          dtypes: a tree like it of the dtypes to return (default: the gradients'
+            own).
 
         Returns:
-          The summed gradients in the stored layout and their own dtype, summed
+          The summed gradients in the stored layout and ``dtypes``, summed
           in ``reduce_dtype``: reduce-scattered over ``data`` (then all-reduced
           over ``replica`` for partial sharding) for sharded leaves, all-reduced
           otherwise. Padding gets zeros.
         """
         layouts, _, treedef = self._flat()
+        if dtypes is None:
+            dtypes = jax.tree.map(lambda g: g.dtype, per_replica_grads)
+        out_dtypes = treedef.flatten_up_to(dtypes)
         data_axes = mesh_lib.data_axes(self.mesh)
         partial = self.mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1
 
         def body(*leaves):
             out = []
-            for lay, g in zip(layouts, leaves, strict=True):
-                dtype = g.dtype
+            for lay, g, dtype in zip(layouts, leaves, out_dtypes, strict=True):
                 g = lay.to_stored(g[0]).astype(self.reduce_dtype)  # this replica's gradient
                 if lay.sharded:
                     g = collectives.on_major_dim(collectives.reduce_scatter, g, lay.dim)
@@ -445,6 +471,7 @@ def make_plan(
     min_shard_bytes: int = 65536,
     max_shard_padding: float = 0.25,
     low_precision=None,
+    kept_low=None,
     gather_dtype=jnp.bfloat16,
     reduce_dtype=jnp.float32,
     gather_bucket_bytes: int = 0,
@@ -462,6 +489,8 @@ def make_plan(
       max_shard_padding: the largest padding (fraction of the tensor) a layout may add.
       low_precision: tree of bools, which parameters may be gathered in
         ``gather_dtype`` (see :mod:`trainer.parallel.precision`); default: none.
+      kept_low: tree of bools, which of those may reach the model in
+        ``gather_dtype`` (:class:`trainer.parallel.precision.Precision`); default: none.
       gather_dtype: dtype of the low-precision weight all-gathers.
       reduce_dtype: dtype of the gradient reduction.
       gather_bucket_bytes: small sharded parameters share all-gathers of up to this
@@ -518,6 +547,7 @@ def make_plan(
         mode,
         layouts,
         low_precision,
+        kept_low,
         jnp.dtype(gather_dtype),
         jnp.dtype(reduce_dtype),
         bucket_gathers(flat_layouts, gathered, gather_bucket_bytes),

@@ -298,7 +298,7 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
             lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), task.init_batch
         )
         unsharded = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-        low_precision = precision.low_precision_params(
+        flags = precision.params_precision(
             _replica_loss(task),
             unsharded,
             model.abstract_model_state,
@@ -312,7 +312,8 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
         mode=mode or opt_cfg.update_sharding,
         min_shard_bytes=opt_cfg.min_shard_bytes,
         max_shard_padding=opt_cfg.max_shard_padding,
-        low_precision=low_precision,
+        low_precision=flags.low,
+        kept_low=flags.kept,
         gather_dtype=gather_dtype,
         reduce_dtype=_dtype(opt_cfg, "reduce_dtype"),
         gather_bucket_bytes=opt_cfg.gather_bucket_bytes,
