@@ -115,6 +115,7 @@ def main(argv: list[str]) -> None:
             stop=signals.install(),
             started=_STARTED,
             accept_new_tokenizer=_ACCEPT_NEW_TOKENIZER.value,
+            after_compile=process.release_freed_memory,
         )
     if signals.install().first == "SIGINT":
         sys.exit(signals.EXIT_INTERRUPTED)

@@ -58,14 +58,18 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow  # training runs of 25-45 s, cold
 def test_k_steps_per_loop_equal_single_steps(data_dir, tmp_path):
-    states, losses = [], []
+    states, losses, compiled = [], [], []
     for k in (1, 4):
         config = tiny(
             data_dir, num_train_steps=8, steps_per_loop=k, log_every_steps=4, eval_every_steps=0
         )
         workdir = tmp_path / f"k{k}"
-        states.append(train_lib.train(config, str(workdir)))
+        states.append(
+            train_lib.train(config, str(workdir), after_compile=lambda k=k: compiled.append(k))
+        )
         losses.append([r["loss"] for r in read_metrics(workdir)])
+    # Called after each run's loop and its checkpoint's conversion compile.
+    assert compiled == [1, 1, 4, 4]
     assert losses[0] == losses[1]
     for a, b in zip(
         jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params), strict=True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import glob
 import importlib.util
 import logging as std_logging
@@ -29,6 +30,23 @@ from trainer.command import cli
 from trainer.errors import ConfigError
 from trainer.reporting import metrics
 from trainer.workdir import storage
+
+
+def release_freed_memory() -> None:
+    """Hands the memory the C heap holds freed back to the system (glibc's
+    ``malloc_trim``); nothing where the C library has none.
+
+    XLA's compiler allocates and frees gigabytes on the threads that compile, and
+    glibc keeps what they free in its arenas, where it counts as the process's
+    resident memory until reused. Trimmed after the training loop's compile, the 64M
+    decoder's resident memory while training on 8 CPU devices went from 3.31 to
+    3.09 GiB under ``per_layer`` (``scripts/maxtext_side_by_side.py``).
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: musl, macOS
+        return
+    trim(0)
 
 
 def setup(

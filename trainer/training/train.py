@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -90,6 +91,7 @@ def train(
     stop: stopping.StopRequests | None = None,
     started: float | None = None,
     accept_new_tokenizer: bool = False,
+    after_compile: Callable[[], None] | None = None,
 ) -> step_lib.TrainState:
     """Trains ``config`` in ``workdir`` and returns the final state.
 
@@ -104,6 +106,10 @@ def train(
         start-up time (default: now).
       accept_new_tokenizer: a resume may go on with another tokenizer than the run's
         (:mod:`trainer.training.resume_changes`; refused otherwise).
+      after_compile: called after the training loop and the checkpoint's conversion
+        are compiled (``python -m trainer`` passes
+        :func:`trainer.command.process.release_freed_memory`: the compiler's freed
+        heap back to the system before the steps run).
 
     At the end (also after a stop request) process 0 says a summary and writes
     it to ``DIR/summary.json`` (:mod:`trainer.reporting.summary`).
@@ -122,7 +128,7 @@ def train(
         if lead:
             report.begin()
         try:
-            state = _train(config, directory, run, report, accept_new_tokenizer)
+            state = _train(config, directory, run, report, accept_new_tokenizer, after_compile)
         except Exception as e:
             if lead:
                 report.failed(e)
@@ -145,6 +151,7 @@ def _train(
     run: stopping.Run,
     report: summary_lib.RunReport,
     accept_new_tokenizer: bool = False,
+    after_compile: Callable[[], None] | None = None,
 ) -> step_lib.TrainState:
     """The run, inside ``run`` (lock held; every way out goes through it)."""
     # Checks profile_steps against the loop length before anything is built.
@@ -172,10 +179,9 @@ def _train(
     run.closes(writer.close)
 
     # ------------------------------------------------------- compiled loop
-    compiled_loop = _loop_compiler(exp, report)
+    compiled_loop = _loop_compiler(exp, report, after_compile)
     evaluate = _evaluator(exp)
-
-    to_logical = _to_logical_compiler(exp, report)
+    to_logical = _to_logical_compiler(exp, report, after_compile)
 
     def save(step: int, state: step_lib.TrainState, data_state) -> None:
         convert = to_logical()  # compiled at the first save, booked as a compile
@@ -288,9 +294,13 @@ def _begin_records(
     return writer
 
 
-def _loop_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport):
+def _loop_compiler(
+    exp: experiment_lib.Experiment,
+    report: summary_lib.RunReport,
+    after_compile: Callable[[], None] | None = None,
+):
     """``compiled_loop(k)``: the K-step loop of ``exp``, compiled once per ``k`` (a
-    phase said, its time the summary's)."""
+    phase said, its time the summary's; then ``after_compile()``)."""
 
     @functools.cache
     def compiled_loop(k: int):
@@ -299,14 +309,21 @@ def _loop_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport
             with jax.set_mesh(exp.mesh):
                 out = experiment_lib.compile_loop(exp, k)
         report.add("compile", compiling.seconds)
+        if after_compile is not None:
+            after_compile()
         return out
 
     return compiled_loop
 
 
-def _to_logical_compiler(exp: experiment_lib.Experiment, report: summary_lib.RunReport):
+def _to_logical_compiler(
+    exp: experiment_lib.Experiment,
+    report: summary_lib.RunReport,
+    after_compile: Callable[[], None] | None = None,
+):
     """``to_logical()``: the train state's conversion to the checkpoint's logical shapes,
-    compiled once (a phase said, its time the summary's compile, not the save's)."""
+    compiled once (a phase said, its time the summary's compile, not the save's; then
+    ``after_compile()``)."""
 
     @functools.cache
     def to_logical():
@@ -320,6 +337,8 @@ def _to_logical_compiler(exp: experiment_lib.Experiment, report: summary_lib.Run
             with jax.set_mesh(exp.mesh):
                 out = exp.to_logical.lower(abstract).compile()
         report.add("compile", compiling.seconds)
+        if after_compile is not None:
+            after_compile()
         return out
 
     return to_logical
