@@ -131,14 +131,12 @@ def params_precision(
     leaves, treedef = jax.tree.flatten(abstract_params)
     invars = closed.jaxpr.invars[: len(leaves)]
 
-    def flags(once):
-        return jax.tree.unflatten(
-            treedef,
-            [
-                np.dtype(leaf.dtype).itemsize > low.itemsize
-                and _flows_into_low(closed.jaxpr, var, low, lambda k: False, once)
-                for leaf, var in zip(leaves, invars, strict=True)
-            ],
-        )
+    def walk(var, once):
+        return _flows_into_low(closed.jaxpr, var, low, lambda k: False, once)
 
-    return Precision(flags(once=False), flags(once=True))
+    rounded = [
+        np.dtype(leaf.dtype).itemsize > low.itemsize and walk(var, once=False)
+        for leaf, var in zip(leaves, invars, strict=True)
+    ]
+    kept = [r and walk(var, once=True) for r, var in zip(rounded, invars, strict=True)]
+    return Precision(jax.tree.unflatten(treedef, rounded), jax.tree.unflatten(treedef, kept))
