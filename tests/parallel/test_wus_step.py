@@ -17,6 +17,7 @@ the model receives, and a gradient whose every term is exactly representable.
 
 import functools
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -27,7 +28,7 @@ import pytest
 from conftest import tiny_wus as tiny
 from jax.sharding import NamedSharding, PartitionSpec
 
-from configs import transformer_1024
+from configs import llama, transformer_1024
 from models import transformer
 from trainer import tasks
 from trainer.input import feed as feed_lib
@@ -448,3 +449,31 @@ def test_rounded_weights_reach_the_model_in_bf16_with_the_gradients_of_f32_weigh
         )
         assert_close(got, want, 1e-7, f"bf16 compute, {mode}, grads")
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
+
+
+def _unfused_dots(hlo: str) -> list[str]:
+    """The dots of an optimized XLA:CPU program that no YNNPACK fusion runs."""
+    in_library = set(re.findall(r'calls=(%[\w.-]+), [^\n]*"__ynn_fusion"', hlo))
+    dots, computation = [], None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?(%[\w.-]+) \(", line)
+        if header:
+            computation = header.group(1)
+        elif re.search(r"= \w+\[[\d,]*\]\S* dot\(", line) and computation not in in_library:
+            dots.append(line.strip()[:120])
+    return dots
+
+
+def test_per_layer_weight_gradients_run_in_the_cpu_matmul_library():
+    # XLA:CPU hands a dot to YNNPACK only in canonical form (lhs [m, k], rhs [k, n]).
+    # A weight's gradient contracts both operands over their tokens; without a batch
+    # dim XLA leaves that dot as it is, to Eigen's bf16 GEMM, which took half of
+    # per_layer's step on the harness's 2M decoder. With one (the replica's vmap in
+    # trainer/parallel/layer_gather.py, as under wus) it transposes the operands first.
+    config = llama.get_config("tiny,synthetic")
+    config.model.update(dtype="bfloat16", num_layers=2)
+    config.optimizer.update_sharding = "per_layer"
+    exp = experiment.build(config)
+    hlo = experiment.compile_loop(exp, 1).as_text()
+    assert hlo.count('"__ynn_fusion"') >= 3 * 2  # at least the MLP's three, a layer
+    assert _unfused_dots(hlo) == []

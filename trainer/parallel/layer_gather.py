@@ -25,7 +25,9 @@ to the compiler), where the collectives are explicit and their gradients are our
 each gather is a ``custom_vjp`` whose backward pass is the reduce-scatter, so the
 numbers are the same as ``wus``'s: the same bf16 roundings, the same f32 sums
 (``tests/tasks/test_language_model.py``); a replicated parameter's gradient is
-summed over the replicas by the ``shard_map``'s own transpose.
+summed over the replicas by the ``shard_map``'s own transpose. Each device computes its
+replica as a ``vmap`` over one, as ``wus``'s ``vmap`` over the replicas hands it one:
+the model's dots alike, and XLA:CPU's fast matmuls for both (:func:`_as_batch_of_one`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,32 @@ def _data_only(spec: PartitionSpec, data: tuple[str, ...]) -> PartitionSpec:
 
 def _axes(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis or ())
+
+
+def _applying(fns: dict[str, Callable]) -> Callable:
+    """A layer's params -> its weights: ``fns[name]`` applied to each parameter it
+    names (``attention/query/kernel``), the others passed on."""
+
+    def weights(tree):
+        flat = traverse_util.flatten_dict(tree, sep="/")
+        out = {name: fns[name](x) if name in fns else x for name, x in flat.items()}
+        return traverse_util.unflatten_dict(out, sep="/")
+
+    return weights
+
+
+def _as_batch_of_one(loss: Callable, params, rows, rngs):
+    """``loss(params, rows, rng)`` of this device's replica (``rows`` and ``rngs``
+    ``[1, ...]``), as a ``vmap`` over the one: outputs ``[1, ...]``.
+
+    As under ``wus``, whose ``vmap`` over the replicas hands each device one, the
+    model's dots then have a batch dim, and XLA:CPU transposes such dots into the
+    form YNNPACK runs. Without it a weight's gradient (both operands contracted over
+    their tokens) stays a dot for Eigen's bf16 GEMM, many times slower: it was half of
+    this mode's CPU step on the 2M decoder of ``scripts/maxtext_side_by_side.py``,
+    whose step took 2.0x ``wus``'s (tests/parallel/test_wus_step.py reads the program).
+    """
+    return jax.vmap(loss)(jax.tree.map(lambda x: x[None], params), rows, rngs)
 
 
 def losses(
@@ -116,15 +144,7 @@ def losses(
                 stack, _, rest = names[i].partition("/")
                 per_stack.setdefault(stack_of[i], {})[rest] = fn
 
-        def transform(fns):
-            def weights(tree):
-                flat = traverse_util.flatten_dict(tree, sep="/")
-                out = {name: fns[name](x) if name in fns else x for name, x in flat.items()}
-                return traverse_util.unflatten_dict(out, sep="/")
-
-            return weights
-
-        readers = {stack: transform(fns) for stack, fns in per_stack.items()}
+        readers = {stack: _applying(fns) for stack, fns in per_stack.items()}
         for i, module in looked_up.items():
             gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
             readers[module] = collectives.sharded_lookup(
@@ -143,21 +163,22 @@ def losses(
             else:  # replicated: the shard_map's transpose sums its gradient over data
                 weights.append(x)
         params = jax.tree.unflatten(treedef, weights)
-        # The model's sharding constraints may name only the axes left to the compiler.
+        readers = tuple(transforms(dtypes).items())
+
+        def this_replica(params, rows, rng):
+            return replica_loss(params, model_state, rows, rng, weight, readers)
+
+        # The model's sharding constraints may name only the axes left to the compiler;
+        # with none left, no constraint at all (the vmap's would mark its own dim
+        # unconstrained, which a mesh of manual axes only refuses).
+        auto = set(mesh.axis_names) - manual
         rules = tuple(
             (logical, None if set(_axes(axis)) & manual else axis)
             for logical, axis in nn.get_logical_axis_rules()
+            if auto
         )
         with nn.logical_axis_rules(rules):
-            loss, aux = replica_loss(
-                params,
-                model_state,
-                jax.tree.map(lambda r: r[0], rows),
-                rngs[0],
-                weight,
-                tuple(transforms(dtypes).items()),
-            )
-        return loss[None], jax.tree.map(lambda a: a[None], aux)
+            return _as_batch_of_one(this_replica, params, rows, rngs)
 
     replica = PartitionSpec(data)
     # Manual over the data axes and any of size 1: the model axis, when it splits

@@ -21,10 +21,11 @@ outputs: the gathered weights are not kept for the backward pass, which gathers
 them again (three collectives a micro-batch instead of two a step, for the
 memory of the whole weights).
 
-Under ``per_layer`` the replicas run in a ``shard_map`` instead of a ``vmap``: a
-stack's layers gather their weights inside the scan over them, and reduce-scatter
-their gradients in its backward pass (:mod:`trainer.parallel.layer_gather`); the
-gradients come out reduced, as under ``fsdp``.
+Under ``per_layer`` the replicas run in a ``shard_map`` (each device's as a ``vmap``
+over one): a stack's layers gather their weights inside the scan over them, and
+reduce-scatter their gradients in its backward pass
+(:mod:`trainer.parallel.layer_gather`); the gradients come out reduced, as under
+``fsdp``.
 
 ``train_loop`` runs K such steps inside one compiled ``lax.scan``.
 """
