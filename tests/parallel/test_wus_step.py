@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from configs import llama, transformer_1024
 from models import transformer
 from trainer import tasks
+from trainer.analysis import hlo
 from trainer.input import feed as feed_lib
 from trainer.parallel import batches as batches_lib
 from trainer.parallel import mesh as mesh_lib
@@ -466,17 +467,22 @@ def test_per_layer_with_a_model_axis_left_to_the_compiler():
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
 
 
-def _unfused_dots(hlo: str) -> list[str]:
+def _unfused_dots(hlo_text: str) -> list[str]:
     """The dots of an optimized XLA:CPU program that no YNNPACK fusion runs."""
-    in_library = set(re.findall(r'calls=(%[\w.-]+), [^\n]*"__ynn_fusion"', hlo))
-    dots, computation = [], None
-    for line in hlo.splitlines():
-        header = re.match(r"(?:ENTRY )?(%[\w.-]+) \(", line)
-        if header:
-            computation = header.group(1)
-        elif re.search(r"= \w+\[[\d,]*\]\S* dot\(", line) and computation not in in_library:
-            dots.append(line.strip()[:120])
-    return dots
+    bodies = hlo.computations(hlo_text)
+    lines = [hlo.instruction(line) for body in bodies.values() for line in body]
+    in_library = {
+        re.search(r"calls=%?([\w.\-]+)", i.rest).group(1)
+        for i in lines
+        if i and i.opcode == "fusion" and '"__ynn_fusion"' in i.rest
+    }
+    return [
+        line.strip()[:120]
+        for name, body in bodies.items()
+        if name not in in_library
+        for line in body
+        if (i := hlo.instruction(line)) and i.opcode == "dot"
+    ]
 
 
 def test_per_layer_weight_gradients_run_in_the_cpu_matmul_library():

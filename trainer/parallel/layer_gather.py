@@ -171,11 +171,13 @@ def losses(
         # The model's sharding constraints may name only the axes left to the compiler;
         # with none left, no constraint at all (the vmap's would mark its own dim
         # unconstrained, which a mesh of manual axes only refuses).
-        auto = set(mesh.axis_names) - manual
-        rules = tuple(
-            (logical, None if set(_axes(axis)) & manual else axis)
-            for logical, axis in nn.get_logical_axis_rules()
-            if auto
+        rules = (
+            tuple(
+                (logical, None if set(_axes(axis)) & manual else axis)
+                for logical, axis in nn.get_logical_axis_rules()
+            )
+            if set(mesh.axis_names) - manual
+            else ()
         )
         with nn.logical_axis_rules(rules):
             return _as_batch_of_one(this_replica, params, rows, rngs)
