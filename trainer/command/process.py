@@ -91,8 +91,9 @@ def setup(
         of printing five lines about the workers and host bounds it cannot find; the
         programs it compiles are the same byte for byte.
       writes_events: the command writes TensorBoard events (training, evaluation):
-        their writers are routed through etils.epath, which imports tensorboardX (and
-        with it torch, where installed: 1.5 s) that other commands leave out.
+        their writers are routed through etils.epath, which imports tensorboardX
+        (0.4 s) that other commands leave out; without torch (see
+        :func:`_without_torch`).
     """
     if cpu_devices < 0:
         cli.fail(f"--cpu_devices must be >= 0 (0 = the platform's devices), got {cpu_devices}")
@@ -100,7 +101,8 @@ def setup(
     orbax_output.quiet()
     storage.configure()
     if writes_events:
-        metrics.route_event_files_through_epath()  # TensorBoard events in object stores too
+        with _without_torch():
+            metrics.route_event_files_through_epath()  # TensorBoard events in object stores too
     import jax  # noqa: PLC0415  (a command's --help and flag mistakes need no JAX)
     import tensorflow_datasets as tfds  # noqa: PLC0415  (seconds to import)
 
@@ -153,6 +155,26 @@ def setup(
     # backends (and libtpu's start-up lines) in commands that never use a device.
     console.setup(enabled=job is None or job.process_id == 0, stream=console_stream or sys.stdout)
     tfds.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def _without_torch():
+    """tensorboardX imports torch where it is installed (``tensorboardX/writer.py``: ``try:
+    import torch``), only to accept torch tensors as values, which no command hands it:
+    3.2 s of every training command's start on this project's 2-core machines with
+    PyPI's torch 2.13 (its CUDA build): a mistake found in set-up took 7.1 s to say,
+    3.8 s without. Within
+    this block an import of torch fails as for a machine without it, which tensorboardX
+    expects; afterwards torch imports as usual (the Hugging Face commands need it).
+    Set up before the command starts any thread that could import torch meanwhile."""
+    if "torch" in sys.modules:  # already imported (or already hidden): nothing to save
+        yield
+        return
+    sys.modules["torch"] = None  # the import system's documented "not importable" entry
+    try:
+        yield
+    finally:
+        del sys.modules["torch"]
 
 
 def _quiet_libraries() -> None:
