@@ -92,7 +92,7 @@ def setup(
         programs it compiles are the same byte for byte.
       writes_events: the command writes TensorBoard events (training, evaluation):
         their writers are routed through etils.epath, which imports tensorboardX
-        (0.4 s) that other commands leave out; without torch (see
+        (0.6 s) that other commands leave out; without torch (see
         :func:`_without_torch`).
     """
     if cpu_devices < 0:
@@ -160,13 +160,13 @@ def setup(
 @contextlib.contextmanager
 def _without_torch():
     """tensorboardX imports torch where it is installed (``tensorboardX/writer.py``: ``try:
-    import torch``), only to accept torch tensors as values, which no command hands it:
-    3.2 s of every training command's start on this project's 2-core machines with
-    PyPI's torch 2.13 (its CUDA build): a mistake found in set-up took 7.1 s to say,
-    3.8 s without. Within
-    this block an import of torch fails as for a machine without it, which tensorboardX
-    expects; afterwards torch imports as usual (the Hugging Face commands need it).
-    Set up before the command starts any thread that could import torch meanwhile."""
+    import torch``), only to accept torch tensors as values, which no command hands it.
+    That is 3.2 s of every training command's start on this project's 2-core machines
+    with PyPI's torch 2.13 (its CUDA build): a mistake found in set-up took 7.1 s to
+    say, 3.8 s without. Within this block an import of torch fails as on a machine
+    without it, which tensorboardX expects; afterwards torch imports as usual (the
+    Hugging Face commands need it). Entered before the command starts any thread that
+    could import torch meanwhile."""
     if "torch" in sys.modules:  # already imported (or already hidden): nothing to save
         yield
         return
