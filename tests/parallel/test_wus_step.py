@@ -476,19 +476,22 @@ def test_per_layer_with_a_model_axis_left_to_the_compiler():
 
 def _unfused_dots(hlo_text: str) -> list[str]:
     """The dots of an optimized XLA:CPU program that no YNNPACK fusion runs."""
-    bodies = hlo.computations(hlo_text)
-    lines = [hlo.instruction(line) for body in bodies.values() for line in body]
+    parsed = {
+        name: [(line, hlo.instruction(line)) for line in body]
+        for name, body in hlo.computations(hlo_text).items()
+    }
     in_library = {
         re.search(r"calls=%?([\w.\-]+)", i.rest).group(1)
-        for i in lines
+        for body in parsed.values()
+        for _, i in body
         if i and i.opcode == "fusion" and '"__ynn_fusion"' in i.rest
     }
     return [
         line.strip()[:120]
-        for name, body in bodies.items()
+        for name, body in parsed.items()
         if name not in in_library
-        for line in body
-        if (i := hlo.instruction(line)) and i.opcode == "dot"
+        for line, i in body
+        if i and i.opcode == "dot"
     ]
 
 

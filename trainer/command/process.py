@@ -161,12 +161,13 @@ def setup(
 def _without_torch():
     """tensorboardX imports torch where it is installed (``tensorboardX/writer.py``: ``try:
     import torch``), only to accept torch tensors as values, which no command hands it.
-    That is 3.2 s of every training command's start on this project's 2-core machines
-    with PyPI's torch 2.13 (its CUDA build): a mistake found in set-up took 7.1 s to
-    say, 3.8 s without. Within this block an import of torch fails as on a machine
-    without it, which tensorboardX expects; afterwards torch imports as usual (the
-    Hugging Face commands need it). Entered before the command starts any thread that
-    could import torch meanwhile."""
+    With PyPI's torch 2.13 (its CUDA build), on this project's 2-core machines, in turns
+    with the code before this (farm-bench, medians): a mistake found in set-up takes
+    3.3 s to say instead of 6.5, a 40-step run of a tiny decoder 13.7 s instead of 17.4
+    at 645 instead of 1126 MiB resident. Within this block an import of torch fails as
+    on a machine without it, which tensorboardX expects; afterwards torch imports as
+    usual (the Hugging Face commands need it). Entered before the command starts any
+    thread that could import torch meanwhile."""
     if "torch" in sys.modules:  # already imported (or already hidden): nothing to save
         yield
         return
