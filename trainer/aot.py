@@ -1,5 +1,5 @@
 """``python -m trainer.aot --config C --topology v3:32x32 [--modes none,wus,fsdp] [--json FILE]
-[--hlo DIR]``.
+[--hlo DIR] [--unroll]``.
 
 Compiles the training loop of config ``C`` ahead of time for a TPU topology
 this host does not have (libtpu's compiler runs on CPU: ``pip install -e
@@ -17,6 +17,10 @@ this host does not have (libtpu's compiler runs on CPU: ``pip install -e
   :mod:`trainer.analysis.costmodel`, from optimistic to pessimistic; the compiler-literal
   one is the headline. ``--hlo DIR`` writes each mode's optimized HLO text
   (``DIR/<mode>.hlo.txt``), for anyone to count the collectives without our parser.
+
+A model with layer stacks has its FLOPs and bytes extrapolated from twins of depths 1
+and 2 (:mod:`trainer.analysis.step_cost`); ``--unroll`` compiles the whole model
+unrolled for them instead: exact, and one more compile as long as the model is deep.
 
 Nothing is allocated and no dataset is read (:mod:`trainer.analysis.compiled`).
 The trainer's ``--config.x=y`` overrides apply; ``--modes auto`` shows the
@@ -58,6 +62,13 @@ _MODES = flags.DEFINE_list(
     "modes", ["none", "wus", "fsdp"], "Update-sharding modes to compile (or auto)."
 )
 _JSON = flags.DEFINE_string("json", None, "Write the results here as JSON.")
+_UNROLL = flags.DEFINE_bool(
+    "unroll",
+    False,
+    "The compute figures of a model with layer stacks from the whole model compiled "
+    "unrolled (exact; one more compile, as long as the model is deep) instead of "
+    "extrapolated from twins of depths 1 and 2.",
+)
 _HLO = flags.DEFINE_string("hlo", None, "Write each mode's optimized HLO text into this directory.")
 _PROGRAM = flags.DEFINE_string(
     "program",
@@ -95,6 +106,10 @@ def report(results: dict[str, dict]) -> None:
         print(f"  HBM per core               {_gib(total):10.3f} GiB of {_gib(cap):.2f}: {verdict}")
         if r["compiler_oom"]:
             print(f"  the TPU compiler: {r['compiler_oom']}")
+        # How the FLOPs and bytes below were had: XLA's figures of this program, or of
+        # the model unrolled, or extrapolated from twins (step_cost.py).
+        twins = f", {r['cost_compile_s']:.1f} s to compile" if r["cost_compile_s"] else ""
+        print(f"  figures                    {r['cost_how']}{twins}")
         print(f"  flops per step             {r['flops_per_step']:14.4e}")
         print(f"  HBM bytes per step         {r['bytes_accessed_per_step']:14.4e}")
         print(f"  XLA optimal_seconds        {r['xla_optimal_seconds'] * 1e3:10.3f} ms")
@@ -221,7 +236,9 @@ def main(argv: list[str]) -> None:
         # memory report, to stderr: not the run's; asked once here, then cached.
         with _stderr_silenced():
             compiled_lib.compiler_hbm_budget(devices[0])
-        results = compile_modes(config, devices, _MODES.value, json_out, hlo_dir)
+        results = compile_modes(
+            config, devices, _MODES.value, json_out, hlo_dir, unroll=_UNROLL.value
+        )
     report(results)
     if json_out:
         json_out.write_text(json.dumps(results, indent=2))
@@ -288,14 +305,17 @@ def _read_program(location: str, topology: str, steps_per_run: int) -> None:
         storage.output_file(_JSON.value, "--json").write_text(json.dumps(r, indent=2))
 
 
-def compile_modes(config, devices: list, modes: list[str], json_out=None, hlo_dir=None) -> dict:
+def compile_modes(
+    config, devices: list, modes: list[str], json_out=None, hlo_dir=None, *, unroll: bool = False
+) -> dict:
     """Compiles and analyses ``config`` on ``devices`` in each of ``modes`` (or
     ``auto``), one after another; returns ``{mode: its figures}``.
 
     Each mode's files are written as soon as they exist, so that a run stopped after
     hours keeps what it had: ``hlo_dir/<mode>.hlo.txt`` once the program is compiled
     (before its twins), the JSON of every mode done so far once its figures are.
-    ``json_out`` and ``hlo_dir`` are paths (:mod:`trainer.workdir.storage`) or None.
+    ``json_out`` and ``hlo_dir`` are paths (:mod:`trainer.workdir.storage`) or None;
+    ``unroll`` as :func:`trainer.analysis.compiled.analyze` takes it.
     """
     from trainer.analysis import compiled as compiled_lib  # noqa: PLC0415  (imports JAX)
 
@@ -307,12 +327,14 @@ def compile_modes(config, devices: list, modes: list[str], json_out=None, hlo_di
         if mode == "auto":
             console.say("update_sharding=auto candidates:")
             _, _, results["auto"] = compiled_lib.choose_update_sharding(
-                config, devices, console.say
+                config, devices, console.say, unroll=unroll
             )
         else:
             write_hlo = (hlo_dir / f"{mode}.hlo.txt").write_text if hlo_dir else None
             with console.phase(f"{mode}: compiling for {where}", done="compiled"):
-                results[mode] = compiled_lib.analyze(config, devices, mode, on_program=write_hlo)
+                results[mode] = compiled_lib.analyze(
+                    config, devices, mode, unroll=unroll, on_program=write_hlo
+                )
             r = results[mode]
             estimate = r["est_step_time_s"]["by_assumption"]["compiler"]["no_overlap"]
             console.say(

@@ -235,12 +235,13 @@ def test_does_not_fit_is_reported(devices):
 
 def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
     config = tiny_config(**{"optimizer.update_sharding": "auto"})
-    seen = []
+    seen, unrolled = [], []
 
-    def fake_analyze(trial, devs):
+    def fake_analyze(trial, devs, *, unroll=False):
         opt = trial.optimizer
         key = (opt.update_sharding, opt.shard_group_size, opt.min_shard_bytes)
         seen.append(key)
+        unrolled.append(unroll)
         # Faster as the group grows, but the whole slice under wus does not fit.
         step = {"none": 5.0}.get(key[0], 4.0 - (key[1] or 8) / 8)
         est = {"overlap": step, "no_overlap": step, "by_assumption": {"optimistic": est_of(step)}}
@@ -259,17 +260,24 @@ def test_auto_picks_the_fastest_that_fits(devices, monkeypatch):
         return {"overlap": step, "no_overlap": step}
 
     monkeypatch.setattr(compiled_lib, "analyze", fake_analyze)
-    chosen, rows, best = compiled_lib.choose_update_sharding(config, devices, log=lambda _: None)
+    chosen, rows, best = compiled_lib.choose_update_sharding(
+        config, devices, log=lambda _: None, unroll=True
+    )
     # v3:2x2: a row of 2 chips (4 cores), the whole slice (written 0); fsdp only where
     # wus does not fit; the config's min_shard_bytes.
     assert seen == [("none", 0, 4096), ("wus", 4, 4096), ("wus", 0, 4096), ("fsdp", 0, 4096)]
     assert (chosen.optimizer.update_sharding, chosen.optimizer.shard_group_size) == ("fsdp", 0)
     assert best["mode"] == "fsdp"
+    assert unrolled == [True] * 4  # trainer.aot's --unroll reaches every candidate
 
     monkeypatch.setattr(
         compiled_lib,
         "analyze",
-        lambda trial, devs: {**fake_analyze(trial, devs), "fits": False, "hbm_bytes_per_core": 3},
+        lambda trial, devs, unroll=False: {
+            **fake_analyze(trial, devs),
+            "fits": False,
+            "hbm_bytes_per_core": 3,
+        },
     )
     with pytest.raises(ConfigError, match="no candidate fits"):
         compiled_lib.choose_update_sharding(config, devices, log=lambda _: None)
@@ -534,13 +542,14 @@ def test_per_layer_gathers_every_layer_in_the_scan_and_the_extrapolated_cost_hol
 
 def test_each_mode_is_written_as_soon_as_it_is_done(tmp_path, monkeypatch, devices):
     """A run stopped in its second mode (a 25-minute v6e compile, say) keeps the first
-    mode's JSON and HLO, and the second's HLO from before its twins."""
+    mode's JSON and HLO, and the second's HLO from before its twins; ``--unroll``
+    reaches every mode's figures."""
     from trainer import aot
 
     calls = []
 
-    def analyze(config, devs, mode, *, on_program=None):
-        calls.append(mode)
+    def analyze(config, devs, mode, *, unroll=False, on_program=None):
+        calls.append((mode, unroll))
         on_program(f"HloModule {mode}\n")  # the program, compiled
         if mode == "wus":
             raise KeyboardInterrupt  # stopped while its twins compile
@@ -555,8 +564,10 @@ def test_each_mode_is_written_as_soon_as_it_is_done(tmp_path, monkeypatch, devic
     json_out, hlo_dir = tmp_path / "aot.json", tmp_path / "hlo"
     hlo_dir.mkdir()
     with pytest.raises(KeyboardInterrupt):
-        aot.compile_modes(tiny_config(), devices, ["none", "wus", "fsdp"], json_out, hlo_dir)
-    assert calls == ["none", "wus"]
+        aot.compile_modes(
+            tiny_config(), devices, ["none", "wus", "fsdp"], json_out, hlo_dir, unroll=True
+        )
+    assert calls == [("none", True), ("wus", True)]
     assert set(json.loads(json_out.read_text())) == {"none"}
     assert json.loads(json_out.read_text())["none"]["hbm_bytes_per_core"] == 1
     assert (hlo_dir / "none.hlo.txt").read_text() == "HloModule none\n"

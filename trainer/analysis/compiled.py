@@ -127,6 +127,7 @@ def analyze(
     mode: str | None = None,
     *,
     twins: bool = True,
+    unroll: bool = False,
     on_program: Callable[[str], None] | None = None,
 ) -> dict:
     """Compiles the K-step training loop of ``config`` on ``devices`` and reports it.
@@ -137,6 +138,8 @@ def analyze(
       mode: update-sharding mode to use instead of the config's.
       twins: as :func:`trainer.analysis.step_cost.per_step` takes it (False: quicker,
         where only the collectives and HBM matter).
+      unroll: the compute figures of the whole model compiled unrolled (exact; one
+        more compile, as long as the model is deep) instead of extrapolated from twins.
       on_program: called with the optimized HLO text as soon as the program is
         compiled, before the twins (minutes, for a large model) are.
 
@@ -158,7 +161,7 @@ def analyze(
     text = compiled.as_text()
     if on_program is not None:
         on_program(text)
-    cost = step_cost.per_step(compiled, config, devices, text=text, twins=twins)
+    cost = step_cost.per_step(compiled, config, devices, text=text, twins=twins, unroll=unroll)
     # A multi-slice program is that of one slice: its collectives' partition ids are
     # one slice's devices (in the mesh's order); what crosses slices is a DCN transfer.
     num_slices = math.prod(config.mesh.dcn_axes.values())
@@ -385,7 +388,7 @@ def candidate_groups(config, devices: list) -> list[int]:
     return sorted({0 if g == data else g for g in groups}, key=lambda g: g or data)
 
 
-def choose_update_sharding(config, devices: list, log=print):
+def choose_update_sharding(config, devices: list, log=print, *, unroll: bool = False):
     """Resolves ``optimizer.update_sharding=auto`` for ``devices``.
 
     On TPU devices (real, or a topology's) it compiles ``none`` and, for every
@@ -395,6 +398,7 @@ def choose_update_sharding(config, devices: list, log=print):
     candidates that fit, the fastest compiler-literal estimate wins (the
     optimistic one breaks ties). Elsewhere there is no trustworthy model and
     ``auto`` means ``wus``. Prints the candidates as a table through ``log``.
+    ``unroll``: each candidate's compute figures as :func:`analyze` takes it.
 
     Returns:
       ``(config with the choice, rows, chosen row)``; each row a candidate's
@@ -419,7 +423,7 @@ def choose_update_sharding(config, devices: list, log=print):
         config_.optimizer.update(
             update_sharding=mode, shard_group_size=group, min_shard_bytes=threshold
         )
-        row = analyze(config_, devices)
+        row = analyze(config_, devices, unroll=unroll)
         log(_candidate_line(row))
         return row
 

@@ -11,7 +11,11 @@ long as 80 layers; the twins take as long as two (``tests/analysis/test_aot.py``
 holds the extrapolation against the full unroll of a small model); a model with no
 more layers than the twins together is compiled unrolled instead. What the twins
 leave out: a layer's parameters below ``optimizer.min_shard_bytes`` at depth 1 or 2
-may be sharded at depth L, which changes their update's bytes, not the layers'.
+may be sharded at depth L, which changes their update's bytes, not the layers'; and
+a layer does not cost the same at every depth. On Transformer-big (v3:32x32, wus)
+the twins put XLA's seconds 27% above the unrolled model's (docs/aot.md), so
+``unroll=True`` (``trainer.aot --unroll``) compiles the whole model instead, where
+that is affordable.
 
 What XLA's figures leave out or get wrong, set right here:
 
