@@ -538,6 +538,11 @@ def test_per_layer_gathers_every_layer_in_the_scan_and_the_extrapolated_cost_hol
     assert guess.flops == pytest.approx(full.flops, rel=0.01)
     assert guess.bytes_accessed == pytest.approx(full.bytes_accessed, rel=0.05)
     assert guess.optimal_seconds == pytest.approx(full.optimal_seconds, rel=0.05)
+    # trainer.aot --unroll: the report's figures are those of the full unroll.
+    exact = compiled_lib.analyze(config, devices, unroll=True)
+    assert exact["cost_how"] == "unrolled" and exact["cost_compile_s"] > 0
+    assert exact["flops_per_step"] == pytest.approx(full.flops, rel=1e-6)
+    assert exact["xla_optimal_seconds"] == pytest.approx(full.optimal_seconds, rel=1e-6)
 
 
 def test_each_mode_is_written_as_soon_as_it_is_done(tmp_path, monkeypatch, devices):
