@@ -107,9 +107,10 @@ def report(results: dict[str, dict]) -> None:
         if r["compiler_oom"]:
             print(f"  the TPU compiler: {r['compiler_oom']}")
         # How the FLOPs and bytes below were had: XLA's figures of this program, or of
-        # the model unrolled, or extrapolated from twins (step_cost.py).
-        twins = f", {r['cost_compile_s']:.1f} s to compile" if r["cost_compile_s"] else ""
-        print(f"  figures                    {r['cost_how']}{twins}")
+        # the model unrolled, or extrapolated from twins (step_cost.py), and what the
+        # compiles for them (the unrolled model or the twins) took.
+        took = f", {r['cost_compile_s']:.1f} s to compile" if r["cost_compile_s"] else ""
+        print(f"  figures                    {r['cost_how']}{took}")
         print(f"  flops per step             {r['flops_per_step']:14.4e}")
         print(f"  HBM bytes per step         {r['bytes_accessed_per_step']:14.4e}")
         print(f"  XLA optimal_seconds        {r['xla_optimal_seconds'] * 1e3:10.3f} ms")

@@ -643,3 +643,12 @@ def test_hbm_budget_is_libtpus():
     assert compiled_lib.compiler_hbm_budget(tpu_devices("v6e:2x2")[0]) == 31.24 * 2**30
     assert compiled_lib.compiler_hbm_budget(tpu_devices("v5e:2x2")[0]) == 15.75 * 2**30
     assert compiled_lib.compiler_hbm_budget(jax.devices()[0]) is None  # a CPU
+
+
+def test_unrolled_figures_are_not_asked_of_no_figures():
+    # twins=False takes the program's own figures, unroll=True compiles the whole model:
+    # asked together, one would be dropped in silence.
+    from trainer.analysis import step_cost
+
+    with pytest.raises(ValueError, match="unroll=True"):
+        step_cost.per_step(None, tiny_config(), [], unroll=True, twins=False)

@@ -137,8 +137,10 @@ def per_step(
         deep). A model no deeper than the twins together is unrolled anyway: exact,
         and fewer layers to compile.
       twins: False takes XLA's figures of ``compiled`` as they are, a layer scan's
-        body counted once (``how="program"``, no compile).
+        body counted once (``how="program"``, no compile); not with ``unroll``.
     """
+    if unroll and not twins:
+        raise ValueError("unroll=True compiles the model unrolled, twins=False compiles nothing")
     text = compiled.as_text() if text is None else text
     dots, uncosted = program_flops(text, config.steps_per_loop)
     measured = {"dot_flops": dots, "uncosted_flops": uncosted}
