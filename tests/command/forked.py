@@ -116,6 +116,8 @@ def run_commands(commands: list[list[str]], cwd: str, env: dict[str, str]) -> li
     """``python -m`` commands (``[sys.executable, "-m", module, *args]``) as
     ``subprocess.CompletedProcess``es, run by this file as a script in ``cwd`` with
     ``env``."""
+    if not commands:
+        return []
     modules = []
     for command in commands:
         assert command[:2] == [sys.executable, "-m"], command
