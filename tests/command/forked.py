@@ -29,14 +29,10 @@ import time
 import traceback
 
 # What the commands import before they check their input (trainer/__main__.py and
-# the other entry points): library modules only, no entry point (each defines its
-# absl flags when it runs, and runs once per fork).
-PRELOAD = (
-    "jax",
-    "trainer.command.process",
-    "trainer.training.train",
-    "trainer.training.experiment",
-)
+# the other entry points; the training module brings JAX, Flax, Orbax and the
+# experiment with it): library modules only, no entry point (each defines its absl
+# flags when it runs, and runs once per fork).
+PRELOAD = ("trainer.command.process", "trainer.training.train")
 AT_ONCE = 3  # on 2 cores, a command waiting on its files overlaps another's compute
 TIMEOUT_S = 300
 
