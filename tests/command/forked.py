@@ -1,6 +1,6 @@
 """Runs many short ``python -m MODULE ARGS...`` commands as forks of one process that
-has imported the libraries they import, for the tests of the slow suite that run a
-command per user mistake (tests/command/test_cli_errors.py).
+has imported the libraries they import, for the tests that run a command per user
+mistake (tests/command/test_cli_errors.py).
 
 A mistake's command spends nearly all its 3-3.5 s importing JAX, Flax, Orbax and the
 trainer; the check that refuses the input takes the rest. Here the imports are paid
@@ -9,8 +9,8 @@ backend, so each command still sets up its own devices), run as ``python -m`` ru
 (``runpy``, as ``__main__``, with its ``sys.argv``), its stdout and stderr captured
 apart. What differs from a fresh interpreter: nothing that the imports print reaches
 the command's output, and the imports' module-level state is shared (each command
-has its own copy after the fork). The default suite's mistakes run as fresh
-processes, which keeps both covered.
+has its own copy after the fork). One of the default suite's mistakes runs as a
+fresh process, which keeps both covered.
 
 As a script, ``python tests/command/forked.py OUT.json`` (started with the commands'
 environment, from the checkout): reads ``[[module, arg, ...], ...]`` as JSON on stdin
