@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 
 # The CPU matmul peak for MFU is measured once and cached (trainer/parallel/hardware.py):
 # keep that cache out of the user's home.
@@ -35,7 +36,8 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
-import ml_collections  # noqa: E402  (the flags above must be set before anything can import JAX)
+import forked  # noqa: E402  (the flags above must be set before anything can import JAX)
+import ml_collections  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import transformer_1024  # noqa: E402
@@ -94,15 +96,44 @@ def command_env(**variables: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": REPO, **variables}
 
 
+_SERVER: forked.Server | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _command_server():
+    """Ends this process's command server (tests/forked.py) with the session."""
+    yield
+    if _SERVER is not None:
+        _SERVER.close()
+
+
 def run_command(
-    command: list[str], *, timeout: float = 300, stdin: str | None = None, **variables: str
+    command: list[str],
+    *,
+    timeout: float = 300,
+    stdin: str | None = None,
+    fresh: bool = False,
+    **variables: str,
 ) -> subprocess.CompletedProcess:
     """Runs ``command`` to the end from :data:`REPO` in :func:`command_env`
-    (``variables`` set), ``stdin`` as its input; its output captured as text."""
+    (``variables`` set), ``stdin`` as its input; its output captured as text.
+
+    A ``python -m`` command with neither an input nor variables of its own runs as a
+    fork of this process's command server (tests/forked.py: the same command without
+    3 s of imports), unless ``fresh``; any other as a fresh process."""
+    global _SERVER
+    env = command_env(**variables)
+    if not fresh and stdin is None and command[:2] == [sys.executable, "-m"]:
+        with _SERVER_LOCK:
+            if _SERVER is None:
+                _SERVER = forked.Server(REPO, command_env())
+        if env == _SERVER.env:  # a test may have changed this process's environment
+            return _SERVER.run(command, timeout)
     return subprocess.run(
         command,
         cwd=REPO,
-        env=command_env(**variables),
+        env=env,
         input=stdin,
         capture_output=True,
         text=True,

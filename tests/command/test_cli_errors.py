@@ -5,8 +5,8 @@ processes die with it.
 
 The commands run as a user types them, several at a time (each stops before or right
 after building the model, so they are short). One runs as a fresh process; the others
-run each ``python -m`` command in a fork of one process that imported JAX and the
-trainer (forked.py): the same command, without 3 s of imports apiece.
+as forks of one process that imported JAX and the trainer (tests/forked.py): the same
+commands, without 3 s of imports apiece.
 """
 
 import contextlib
@@ -21,7 +21,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import forked as forked_lib
 import numpy as np
 import pytest
 from conftest import REPO, command_env, run_command, start_command, tiny_command, tiny_flags
@@ -529,10 +528,8 @@ OTHER_CASES = tuple(name for name in _cases("/tmp") if name not in DEFAULT_CASES
 
 
 def _results(tmp_path_factory, names, *, fresh: tuple[str, ...] = ()) -> dict:
-    """The results of the cases ``names``, each with the path it must leave empty. Each
-    ``python -m`` command runs in a fork of one process that imported JAX and the
-    trainer (forked.py); the cases ``fresh`` and the other commands run as fresh
-    processes, 3 at a time."""
+    """The results of the cases ``names``, run 3 at a time, each with the path it must
+    leave empty; the cases ``fresh`` run as fresh processes (conftest.run_command)."""
     tmp = str(tmp_path_factory.mktemp("mistakes"))
     open(os.path.join(tmp, "afile"), "w").close()
     with open(os.path.join(tmp, "empty.txt"), "w") as f:
@@ -560,17 +557,14 @@ def _results(tmp_path_factory, names, *, fresh: tuple[str, ...] = ()) -> dict:
     _damaged_models(tmp)
     _damaged_text(tmp)
     cases = {name: case for name, case in _cases(tmp).items() if name in names}
-    fork = [n for n, (c, _) in cases.items() if n not in fresh and c[:2] == [sys.executable, "-m"]]
-    done = dict(
-        zip(
-            fork,
-            forked_lib.run_commands([cases[n][0] for n in fork], REPO, command_env()),
-            strict=True,
+    with ThreadPoolExecutor(3) as pool:  # on 2 cores, one reading its files overlaps another
+        done = dict(
+            zip(
+                cases,
+                pool.map(lambda n: run_command(cases[n][0], fresh=n in fresh), cases),
+                strict=True,
+            )
         )
-    )
-    rest = [n for n in cases if n not in done]
-    with ThreadPoolExecutor(3) as pool:
-        done |= dict(zip(rest, pool.map(run_command, [cases[n][0] for n in rest]), strict=True))
     return {
         name: (done[name], cases[name][1], os.path.join(tmp, LEAVES_NOTHING.get(name, "none")))
         for name in cases
