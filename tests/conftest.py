@@ -16,15 +16,8 @@ import threading
 # The CPU matmul peak for MFU is measured once and cached (trainer/parallel/hardware.py):
 # keep that cache out of the user's home.
 os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache")
-# The suite's own programs compile without LLVM's optimizations (-O0): a third of the
-# suite's time is XLA:CPU compiling programs that then run a few steps, and LLVM's passes
-# are a third of such a compile (5.5 -> 3.6 s for the tiny wus loop). XLA's HLO passes,
-# which decide what the tests read (fusions, collectives, dtypes, the matmul library's
-# calls), do not depend on it: the stacked bf16 wus loop's optimized HLO is the same text
-# at -O0 and -O3. The commands the tests start (command_env) compile as a user's do.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile for TPU topologies in this process and in the commands they start
