@@ -84,8 +84,10 @@ def command_env(**variables: str) -> dict[str, str]:
     """The environment of a ``python -m ...`` command: this one's with :data:`REPO`
     importable and ``variables`` set, but neither this process's device count
     (XLA_FLAGS; a command sets its own with ``--cpu_devices``) nor an injected fault
-    (WUS_FAULT, trainer/faults.py)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WUS_FAULT")}
+    (WUS_FAULT, trainer/faults.py), nor pytest's name of the running test, which changes
+    with every test (the command server's environment must stay equal to this)."""
+    dropped = ("XLA_FLAGS", "WUS_FAULT", "PYTEST_CURRENT_TEST")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     return {**env, "PYTHONPATH": REPO, **variables}
 
 
