@@ -126,10 +126,9 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
         rms_norm_eps=1e-5 if today else 1e-6,
         max_len=LENGTH,
         remat=remat,
-        # MaxText's attention='flash'. The kernel runs per device, in the replicas'
-        # vmap or shard_map; where tensor parallelism splits the heads (128B, v5p) it
-        # would need a shard_map over the model axis too: there XLA's attention runs.
-        attention="flash" if tensor == 1 else "dot",
+        # MaxText's attention='flash'; where tensor parallelism splits the heads (128B,
+        # v5p) each device runs the kernel on its share of them.
+        attention="flash",
     )
     if today:
         config.model.rope_theta = 10_000.0  # base.yml's rope_max_timescale

@@ -7,7 +7,8 @@ query, key and value projections (Qwen2), tied or separate input and output tabl
 
 The model knows nothing of meshes: parameters carry logical axis names from {"vocab",
 "embed", "heads", "kv_heads", "kv", "mlp", "layers"} and activations are constrained
-with {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"}. Rows may
+with {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"}. (The
+flash kernel alone runs per device, split as those names are: ``_flash``.) Rows may
 pack several documents: ``segment_ids`` (1, 2, ...; 0 = padding) keep attention inside
 each, and ``positions`` restart at 0 in each. With ``decode=True`` each attention keeps
 a key/value cache (``models/kv_cache.py``) for generation (``models/generate.py``).
@@ -22,11 +23,13 @@ and ``[mlp, embed]``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from models import layer_stack, rope
 from models.kv_cache import cached_block
@@ -198,11 +201,59 @@ class Attention(nn.Module):
 
 def _flash(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
     """Causal attention within segments by the Pallas TPU flash kernel: q
-    [batch, length, heads, head_dim], k and v [batch, length, kv_heads, head_dim]."""
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415  (TPU)
+    [batch, length, heads, head_dim], k and v [batch, length, kv_heads, head_dim].
 
+    A Pallas kernel runs on one device's arrays: XLA's partitioner cannot split it
+    ("Mosaic kernels cannot be automatically partitioned"). So where the surrounding
+    mesh leaves axes to the partitioner (the model axis of tensor parallelism inside
+    ``per_layer``'s replicas, every axis under ``wus``'s ``vmap``), the kernel runs in
+    a ``shard_map`` over them, each device on its share of the rows and heads as the
+    logical rules split them ("batch", "heads"). Key and value heads are repeated to
+    the query heads first, so a query head meets its own key head however the two
+    are split.
+    """
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # head h: kv h // group
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(mesh.auto_axes)
+    if not auto:  # no mesh, or every axis already manual: this is one device's share
+        return _flash_kernel(q, k, v, segment_ids)
+
+    def spec(*logical: str) -> PartitionSpec:
+        # Only the axes left to the partitioner (manual ones are split already), and
+        # none that does not divide its dim (``init``'s one row): that dim is whole on
+        # every device, which is correct, only not split.
+        def kept(axes, size):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            axes = tuple(a for a in axes if a in auto)
+            if size % math.prod(mesh.shape[a] for a in axes):
+                return None
+            return axes[0] if len(axes) == 1 else (axes or None)
+
+        names = nn.logical_to_mesh_axes(logical)
+        return PartitionSpec(*(kept(a, n) for a, n in zip(names, q.shape, strict=False)))
+
+    heads = spec("batch", "length", "heads", "kv")
+    if heads[1] is not None or heads[3] is not None:
+        # Each device would attend within its own stretch of the sequence only.
+        raise ValueError(
+            f"attention='flash' cannot split the sequence or head_dim (mesh axes {heads}): "
+            "use attention='dot'"
+        )
+    return jax.shard_map(
+        _flash_kernel,
+        in_specs=(heads, heads, heads, spec("batch", "length")),
+        out_specs=heads,
+        axis_names=auto,
+        # The kernel's outputs vary as its inputs do; its custom_vjp is not checked.
+        check_vma=False,
+    )(q, k, v, segment_ids)
+
+
+def _flash_kernel(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+    """:func:`_flash` on one device's arrays, with as many key/value heads as query heads."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415  (TPU)
+
     block = min(512, q.shape[1])
     # The dQ kernel's key/value blocks at 128, not 512: the kernel broadcasts its
     # per-row inputs (``di``, float32 [batch, heads, length]) to [..., block_k_dq]

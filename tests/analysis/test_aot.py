@@ -653,3 +653,47 @@ def test_unrolled_figures_are_not_asked_of_no_figures():
 
     with pytest.raises(ValueError, match="unroll=True"):
         step_cost.per_step(None, tiny_config(), [], unroll=True, twins=False)
+
+
+@pytest.mark.slow  # two TPU compiles, about 1 min
+@pytest.mark.parametrize("mode", ["per_layer", "wus"])
+def test_flash_attention_runs_on_each_devices_share_of_the_heads(mode):
+    """A Pallas kernel cannot be split by XLA's partitioner: under tensor parallelism
+    (v5p:2x2x1 as 2 replicas x 2 ways of heads) every flash kernel of the compiled
+    step, forward and backward, takes a device's own rows and half of the heads."""
+    from configs import llama
+    from trainer.analysis import flops
+
+    devices = tpu_devices("v5p:2x2x1")
+    config = llama.get_config("tiny,synthetic")
+    config.update_from_flattened_dict(
+        {
+            "model.num_layers": 2,
+            "model.emb_dim": 512,
+            "model.mlp_dim": 1024,
+            "model.num_heads": 8,
+            "model.num_kv_heads": 4,
+            "model.head_dim": 128,
+            "model.attention": "flash",
+            "model.max_len": 256,
+            "data.max_length": 256,
+            "global_batch_size": 8,
+            "steps_per_loop": 2,
+            "mesh.axes.data": 2,
+            "mesh.axes.model": 2,
+            "optimizer.update_sharding": mode,
+        }
+    )
+    exp = experiment.build(config, devices=devices, with_data=False)
+    text = experiment.compile_lowered(experiment.lower_loop(exp, 2), config).as_text()
+    kernels = [
+        (flops.instruction(line).name, flops.dims(flops.instruction(line).type_text))
+        for line in text.splitlines()
+        if flops.attention_kernel(line) is not None
+    ]
+    names = {name.rsplit(".", 1)[0] for name, _ in kernels}
+    assert any(n.startswith("flash_attention") for n in names), names
+    assert any(n.startswith("flash_mha_bwd_dkv") for n in names), names
+    assert any(n.startswith("flash_mha_bwd_dq") for n in names), names
+    # [rows, heads, length, head_dim]: a replica's 4 rows, 8 / 2 heads.
+    assert {tuple(shape) for _, shape in kernels} == {(4, 4, 256, 128)}

@@ -85,6 +85,52 @@ def test_per_layer_gathering_trains_the_numbers_of_wus_and_shares_its_checkpoint
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "per_layer",  # the kernel inside the replicas' shard_map, the model axis left auto
+        pytest.param("wus", marks=pytest.mark.slow),  # every axis auto, in the replicas' vmap
+    ],
+)
+def test_flash_attention_with_split_heads_trains_the_numbers_of_dot_attention(
+    data_dir, tmp_path, mode
+):
+    # The Pallas TPU flash kernel, run on this CPU by Pallas's interpreter (True: its
+    # jit of a scan over the kernel's grid; the TPU interpreter's simulated memory
+    # works by callbacks with effects, which flax's scan refuses), under tensor
+    # parallelism: 4 replicas x 2 ways of heads. A kernel cannot be split by XLA, so
+    # each device runs it on its 2 of the 4 query heads and their key heads; were a
+    # query head paired with another's key head, or a device's rows or heads not its
+    # own, the losses would differ. Rows of 128 tokens: the kernel's smallest block.
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+    def losses_of(attention):
+        config = tiny_lm(
+            data_dir,
+            num_train_steps=4,
+            steps_per_loop=2,
+            log_every_steps=2,
+            eval_every_steps=0,
+            checkpoint_every_steps=0,
+            **{
+                "model.dtype": "float32",
+                "model.attention": attention,
+                "data.max_length": 128,
+                "optimizer.update_sharding": mode,
+                "mesh.axes.data": 4,
+                "mesh.axes.model": 2,
+            },
+        )
+        with pltpu.force_tpu_interpret_mode(True):
+            train_lib.train(config, str(tmp_path / attention))
+        return losses(tmp_path / attention)
+
+    want, got = losses_of("dot"), losses_of("flash")
+    assert sorted(got) == sorted(want) == [2, 4]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+
 def test_a_resume_is_bit_exact(run, data_dir, tmp_path):
     train_lib.train(tiny_lm(data_dir, **{"model.dtype": "float32"}), str(tmp_path))
     uninterrupted, resumed = rows(tmp_path), rows(run)
