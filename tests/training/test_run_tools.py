@@ -297,6 +297,16 @@ def test_init_from_export_on_another_mesh_and_mode_with_a_trace(run, data_dir, t
         content = f.read()
     assert b"train_loop" in content and len(content) > 100_000
     assert "profile of steps 6-10" in out
+    # Beside it the same trace as JSON, whose ops scripts/op_times.py sums: the 5 steps'
+    # matmuls, and fsdp's gathers and reduce-scatters, on each of the 4 devices.
+    summary = run_command(
+        [sys.executable, "scripts/op_times.py", str(workdir), "--steps=5", "--devices=4"]
+    )
+    assert summary.returncode == 0, summary.stderr[-3000:]
+    kinds = dict(re.findall(r"^  (matmuls|collectives|all ops) +([\d.]+)$", summary.stdout, re.M))
+    assert set(kinds) == {"matmuls", "collectives", "all ops"}, summary.stdout
+    assert 0 < float(kinds["matmuls"]) < float(kinds["all ops"])
+    assert 0 < float(kinds["collectives"]) < float(kinds["all ops"])
 
 
 def _get(tree, name):

@@ -7,8 +7,11 @@ boundaries, so both numbers must be multiples of it (for a few steps, shorten
 the loop: ``--config.steps_per_loop=5 --config.profile_steps=10,5``). Each loop
 is marked as a step (``StepTraceAnnotation``), so the plugin's overview shows
 loop times. The trace is written under ``<workdir>/profile/plugins/profile/<time>/``
-(one ``.xplane.pb`` per host); ``tensorboard --logdir <workdir>`` shows it in its
-Profile tab. For a ``gs://`` workdir the trace is written locally and copied.
+(one ``.xplane.pb`` per host, and a ``.trace.json.gz`` beside it);
+``tensorboard --logdir <workdir>`` shows it in its Profile tab (with
+``tensorboard-plugin-profile`` installed), ui.perfetto.dev the JSON, and
+``scripts/op_times.py`` sums the compiled ops' times from it. For a ``gs://``
+workdir the trace is written locally and copied.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ class StepProfiler:
         if step == first and self._local is None:
             remote = storage.is_remote(self.directory)
             self._local = tempfile.mkdtemp(prefix="profile-") if remote else str(self.directory)
-            jax.profiler.start_trace(self._local)
+            # Also as a Perfetto trace (``*.trace.json.gz``): ui.perfetto.dev shows it,
+            # and it is plain JSON (scripts/op_times.py sums it), where the .xplane.pb
+            # needs TensorBoard's profile plugin, which this project does not install.
+            jax.profiler.start_trace(self._local, create_perfetto_trace=True)
         elif step >= end:
             self.stop(step)
 

@@ -1,0 +1,101 @@
+"""Where a traced run's device time goes: the compiled ops' times of a profile
+(``--config.profile_steps``), summed by op and by kind.
+
+    python -m trainer ... --config.profile_steps=2,2 --workdir W
+    python scripts/op_times.py W --steps 2 --devices 8
+
+Reads the Perfetto trace the run wrote (``W/profile/**/*.trace.json.gz``, plain JSON):
+one complete event per executed op on each device's thread (XLA:CPU names each by
+its HLO instruction: ``ynn_fusion.31``, ``all_gather.90``), besides the runtime's
+own events (``ThunkExecutor::Execute``, ``Rendezvous``, waits), loops' events and
+Python frames, which are left out: they enclose or overlap the ops. The times are
+summed over the threads that ran them and divided by the run's device count
+(``--devices``) and ``--steps``: milliseconds a device spends in each op a step. On
+simulated CPU devices that share a few cores, an op's time includes its wait for a
+core, so compare kinds within one trace or between traces of one load.
+
+Kinds, by the instruction's name: matmuls (XLA:CPU's YNNPACK fusions, dots,
+convolutions), collectives, copies and slices (copies, transposes,
+dynamic-update-slices, dynamic-slices), and the other fusions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+
+# Events of the runtime and the Python tracer, and control flow (a loop's event
+# spans its body's ops): not ops of their own, they enclose or overlap them.
+_RUNTIME = ("ThunkExecutor", "Wait", "Rendezvous", "$", "while", "conditional", "call")
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "collective", "all_to_all")
+_COPIES = ("copy", "transpose", "dynamic_update_slice", "dynamic_slice")
+
+
+def kind(name: str) -> str | None:
+    """The kind of op an event name is (module doc), or None for a runtime event."""
+    if name.startswith(_RUNTIME):
+        return None
+    low = name.lower().replace("-", "_")
+    if low.startswith("ynn") or "dot" in low or "convolution" in low:
+        return "matmuls"
+    if any(k in low for k in _COLLECTIVES):
+        return "collectives"
+    if any(k in low for k in _COPIES):
+        return "copies and slices"
+    return "other fusions"
+
+
+def find_trace(path: str) -> str:
+    """``path`` if it is a trace, else the newest trace under it."""
+    if os.path.isfile(path):
+        return path
+    traces = glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True)
+    if not traces:
+        raise SystemExit(f"error: no *.trace.json.gz under {path} (run with profile_steps)")
+    return max(traces, key=os.path.getmtime)
+
+
+def op_times(trace: str) -> tuple[dict[str, float], dict[str, int]]:
+    """``(microseconds by op name, events by op name)`` of a trace's ops."""
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    times: dict[str, float] = collections.Counter()
+    counts: dict[str, int] = collections.Counter()
+    for event in events:
+        if event.get("ph") != "X" or kind(event["name"]) is None:
+            continue
+        times[event["name"]] += event.get("dur", 0)
+        counts[event["name"]] += 1
+    return times, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="a run's workdir, or a .trace.json.gz")
+    parser.add_argument("--steps", type=int, default=1, help="steps the trace holds")
+    parser.add_argument("--devices", type=int, required=True, help="the run's devices")
+    parser.add_argument("--top", type=int, default=15, help="ops to list")
+    args = parser.parse_args()
+    trace = find_trace(args.path)
+    times, counts = op_times(trace)
+    devices = args.devices
+    scale = 1e-3 / devices / args.steps  # microseconds summed -> ms a device a step
+    by_kind: dict[str, float] = collections.Counter()
+    for name, us in times.items():
+        by_kind[kind(name)] += us
+    print(f"{trace}: {devices} devices, {args.steps} steps; ms a device a step")
+    for k, us in by_kind.most_common():
+        print(f"  {k:18s} {us * scale:9.1f}")
+    print(f"  {'all ops':18s} {sum(times.values()) * scale:9.1f}")
+    print(f"the {args.top} longest ops (runs a device a step):")
+    for name, us in collections.Counter(times).most_common(args.top):
+        runs = counts[name] / devices / args.steps
+        print(f"  {us * scale:9.1f}  {runs:5.1f}  {kind(name):18s} {name}")
+
+
+if __name__ == "__main__":
+    main()
