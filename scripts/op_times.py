@@ -5,10 +5,11 @@
     python scripts/op_times.py W --steps 2 --devices 8
 
 Reads the Perfetto trace the run wrote (``W/profile/**/*.trace.json.gz``, plain JSON):
-one complete event per executed op on each device's thread (XLA:CPU names each by
-its HLO instruction: ``ynn_fusion.31``, ``all_gather.90``), besides the runtime's
-own events (``ThunkExecutor::Execute``, ``Rendezvous``, waits), loops' events and
-Python frames, which are left out: they enclose or overlap the ops. The times are
+one complete event per executed op on XLA's threads (``tf_XLA...``; XLA:CPU names
+each by its HLO instruction: ``ynn_fusion.31``, ``all_gather.90``). Other threads'
+events (the host's Python), the runtime's own (``ThunkExecutor::Execute``,
+``Rendezvous``, waits) and loops' are left out: they enclose or overlap the ops,
+or are not the program's. The times are
 summed over the threads that ran them and divided by the run's device count
 (``--devices``) and ``--steps``: milliseconds a device spends in each op a step. On
 simulated CPU devices that share a few cores, an op's time includes its wait for a
@@ -63,10 +64,19 @@ def op_times(trace: str) -> tuple[dict[str, float], dict[str, int]]:
     """``(microseconds by op name, events by op name)`` of a trace's ops."""
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
+    xla = {  # XLA's threads, which run the ops
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and e["args"]["name"].startswith("tf_XLA")
+    }
     times: dict[str, float] = collections.Counter()
     counts: dict[str, int] = collections.Counter()
     for event in events:
-        if event.get("ph") != "X" or kind(event["name"]) is None:
+        if event.get("ph") != "X" or (event.get("pid"), event.get("tid")) not in xla:
+            continue
+        if kind(event["name"]) is None:
             continue
         times[event["name"]] += event.get("dur", 0)
         counts[event["name"]] += 1
