@@ -77,7 +77,7 @@ class StepProfiler:
             self._local = tempfile.mkdtemp(prefix="profile-") if remote else str(self.directory)
             # Also as a Perfetto trace (``*.trace.json.gz``): ui.perfetto.dev shows it,
             # and it is plain JSON (scripts/op_times.py sums it), where the .xplane.pb
-            # needs TensorBoard's profile plugin, which this project does not install.
+            # needs TensorBoard's profile plugin (the ``[profile]`` extra).
             jax.profiler.start_trace(self._local, create_perfetto_trace=True)
         elif step >= end:
             self.stop(step)
