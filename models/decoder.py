@@ -230,8 +230,9 @@ def _flash(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
                 return None
             return axes[0] if len(axes) == 1 else (axes or None)
 
-        names = nn.logical_to_mesh_axes(logical)
-        return PartitionSpec(*(kept(a, n) for a, n in zip(names, q.shape, strict=False)))
+        # The leading dims of q: [batch, length, heads, head_dim] or [batch, length].
+        names, sizes = nn.logical_to_mesh_axes(logical), q.shape[: len(logical)]
+        return PartitionSpec(*(kept(a, n) for a, n in zip(names, sizes, strict=True)))
 
     heads = spec("batch", "length", "heads", "kv")
     if heads[1] is not None or heads[3] is not None:

@@ -8,15 +8,16 @@ Reads the Perfetto trace the run wrote (``W/profile/**/*.trace.json.gz``, plain 
 one complete event per executed op on XLA's threads (``tf_XLA...``; XLA:CPU names
 each by its HLO instruction: ``ynn_fusion.31``, ``all_gather.90``). Other threads'
 events (the host's Python), the runtime's own (``ThunkExecutor::Execute``,
-``Rendezvous``, waits) and loops' are left out: they enclose or overlap the ops,
-or are not the program's. The times are
-summed over the threads that ran them and divided by the run's device count
-(``--devices``) and ``--steps``: milliseconds a device spends in each op a step. On
-simulated CPU devices that share a few cores, an op's time includes its wait for a
-core, so compare kinds within one trace or between traces of one load.
+``Rendezvous``, waits) and loops' are left out: they enclose or overlap the ops, or
+are not the program's. The times are summed over the threads that ran them and
+divided by the run's device count (``--devices``) and ``--steps``: milliseconds a
+device spends in each op a step. On simulated CPU devices that share a few cores, an
+op's time includes its wait for a core, so compare kinds within one trace or between
+traces of one load.
 
 Kinds, by the instruction's name: matmuls (XLA:CPU's YNNPACK fusions, dots,
-convolutions), collectives, copies and slices (copies, transposes,
+convolutions), collectives (the opcodes of ``trainer.analysis.hlo.KINDS``, which
+XLA:CPU's instruction names spell with ``_`` or ``-``), copies and slices (copies, transposes,
 dynamic-update-slices, dynamic-slices), and the other fusions.
 """
 
@@ -28,11 +29,16 @@ import glob
 import gzip
 import json
 import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainer.analysis import hlo  # noqa: E402
 
 # Events of the runtime and the Python tracer, and control flow (a loop's event
 # spans its body's ops): not ops of their own, they enclose or overlap them.
 _RUNTIME = ("ThunkExecutor", "Wait", "Rendezvous", "$", "while", "conditional", "call")
-_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "collective", "all_to_all")
+_COLLECTIVES = tuple(k.replace("-", "_") for k in hlo.KINDS)
 _COPIES = ("copy", "transpose", "dynamic_update_slice", "dynamic_slice")
 
 
@@ -92,18 +98,17 @@ def main() -> None:
     args = parser.parse_args()
     trace = find_trace(args.path)
     times, counts = op_times(trace)
-    devices = args.devices
-    scale = 1e-3 / devices / args.steps  # microseconds summed -> ms a device a step
+    scale = 1e-3 / args.devices / args.steps  # microseconds summed -> ms a device a step
     by_kind: dict[str, float] = collections.Counter()
     for name, us in times.items():
         by_kind[kind(name)] += us
-    print(f"{trace}: {devices} devices, {args.steps} steps; ms a device a step")
+    print(f"{trace}: {args.devices} devices, {args.steps} steps; ms a device a step")
     for k, us in by_kind.most_common():
         print(f"  {k:18s} {us * scale:9.1f}")
     print(f"  {'all ops':18s} {sum(times.values()) * scale:9.1f}")
     print(f"the {args.top} longest ops (runs a device a step):")
     for name, us in collections.Counter(times).most_common(args.top):
-        runs = counts[name] / devices / args.steps
+        runs = counts[name] / args.devices / args.steps
         print(f"  {us * scale:9.1f}  {runs:5.1f}  {kind(name):18s} {name}")
 
 

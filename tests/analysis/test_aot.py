@@ -52,6 +52,25 @@ def tiny_config(**overrides):
     return config
 
 
+def flash_lm(**overrides):
+    """The tiny LM widened for the TPU compiler (d 512, flash attention over rows of 256
+    tokens, loops of 2 steps), with ``overrides`` (flattened keys)."""
+    from configs import llama
+
+    config = llama.get_config("tiny,synthetic")
+    config.update_from_flattened_dict(
+        {
+            "model.emb_dim": 512,
+            "model.attention": "flash",
+            "model.max_len": 256,
+            "data.max_length": 256,
+            "steps_per_loop": 2,
+            **overrides,
+        }
+    )
+    return config
+
+
 @pytest.fixture(scope="module")
 def report(devices, tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
@@ -361,7 +380,7 @@ def test_hlo_files_are_the_programs_counted(report):
         ops = [
             line
             for line in text.splitlines()
-            if any(f" {k}(" in line or f" {k}-start(" in line for k in hlo._KINDS)
+            if any(f" {k}(" in line or f" {k}-start(" in line for k in hlo.KINDS)
         ]
         assert len(ops) == len(r["collectives"]), mode
 
@@ -587,25 +606,18 @@ def test_the_step_counts_every_layers_matmuls_and_flash_backward():
     its shapes, every layer's forward, recomputed forward and backward, and the twins'
     FLOPs are not below them; flash attention's backward kernels, which XLA counts as
     free, are counted for every layer from their shapes."""
-    from configs import llama
     from models import decoder
     from trainer.analysis import step_cost
     from trainer.tasks import language_model
 
     devices = tpu_devices("v5e:2x2")
-    config = llama.get_config("tiny,synthetic")
-    config.update_from_flattened_dict(
-        {
+    config = flash_lm(
+        **{
             "model.num_layers": 4,
-            "model.emb_dim": 512,
             "model.mlp_dim": 2048,
             "model.head_dim": 64,
-            "model.attention": "flash",
             "model.remat": "full",
-            "model.max_len": 256,
-            "data.max_length": 256,
             "global_batch_size": 16,
-            "steps_per_loop": 2,
             "optimizer.update_sharding": "per_layer",
         }
     )
@@ -661,24 +673,17 @@ def test_flash_attention_runs_on_each_devices_share_of_the_heads(mode):
     """A Pallas kernel cannot be split by XLA's partitioner: under tensor parallelism
     (v5p:2x2x1 as 2 replicas x 2 ways of heads) every flash kernel of the compiled
     step, forward and backward, takes a device's own rows and half of the heads."""
-    from configs import llama
     from trainer.analysis import flops
 
     devices = tpu_devices("v5p:2x2x1")
-    config = llama.get_config("tiny,synthetic")
-    config.update_from_flattened_dict(
-        {
+    config = flash_lm(
+        **{
             "model.num_layers": 2,
-            "model.emb_dim": 512,
             "model.mlp_dim": 1024,
             "model.num_heads": 8,
             "model.num_kv_heads": 4,
             "model.head_dim": 128,
-            "model.attention": "flash",
-            "model.max_len": 256,
-            "data.max_length": 256,
             "global_batch_size": 8,
-            "steps_per_loop": 2,
             "mesh.axes.data": 2,
             "mesh.axes.model": 2,
             "optimizer.update_sharding": mode,

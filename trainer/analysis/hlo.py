@@ -40,8 +40,9 @@ _DTYPE_BYTES = {
     "s64": 8,
     "u64": 8,
 }
-_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_ASYNC_KINDS = {f"{k}-start": k for k in _KINDS}
+# The collectives' HLO opcodes (and their async starts).
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_ASYNC_KINDS = {f"{k}-start": k for k in KINDS}
 _EMITTER = re.compile(r'"emitter":"(\w+)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
@@ -483,7 +484,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     for name, lines in bodies.items():
         for line in lines:
             match = _INSTRUCTION.match(line)
-            if not match or (match.group(2) not in _KINDS and match.group(2) not in _ASYNC_KINDS):
+            if not match or (match.group(2) not in KINDS and match.group(2) not in _ASYNC_KINDS):
                 continue
             host, piece = caller.get(name, ("", ""))
             chain = re.search(r'chain_id="(\w+)"', line)
