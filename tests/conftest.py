@@ -5,6 +5,14 @@ The flags must be set before JAX initialises its backends, so they live here, at
 import time of the first module pytest loads. Many tests compile the same tiny run
 (in this process, in the other xdist worker, in the commands they start): the cache
 (JAX's own, keyed by the program) compiles each once.
+
+The suite's programs are tiny and run a few steps, so compiling them is most of its
+time, and LLVM's optimisation of XLA:CPU's kernels is most of a compile: the tests'
+own programs compile at LLVM's level 0 (:data:`COMPILE_FLAGS`). Their numbers differ
+from the default level's in rounding only, which the tests' tolerances hold: they
+compare against independent references, not against the bits of one compile level.
+The commands the tests start compile at the default level, as a user's do (it saved
+them nothing: their time is start-up and running).
 """
 
 import os
@@ -16,8 +24,9 @@ import threading
 # The CPU matmul peak for MFU is measured once and cached (trainer/parallel/hardware.py):
 # keep that cache out of the user's home.
 os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join(
+    (os.environ.get("XLA_FLAGS", ""), COMPILE_FLAGS, "--xla_force_host_platform_device_count=8")
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile for TPU topologies in this process and in the commands they start
@@ -83,7 +92,8 @@ def tiny_command(workdir, data_dir: str, **overrides) -> list[str]:
 def command_env(**variables: str) -> dict[str, str]:
     """The environment of a ``python -m ...`` command: this one's with :data:`REPO`
     importable and ``variables`` set, but neither this process's device count
-    (XLA_FLAGS; a command sets its own with ``--cpu_devices``) nor an injected fault
+    (XLA_FLAGS; a command sets its own with ``--cpu_devices``) nor the suite's
+    :data:`COMPILE_FLAGS` (a command compiles as a user's does), nor an injected fault
     (WUS_FAULT, trainer/faults.py), nor pytest's name of the running test, which changes
     with every test (the command server's environment must stay equal to this)."""
     dropped = ("XLA_FLAGS", "WUS_FAULT", "PYTEST_CURRENT_TEST")
