@@ -302,7 +302,8 @@ def _check_weight_collectives(exp, layouts, low, found, *, gathers_per_step, dep
     assert sharded and all(lo for _, lo in sharded)  # every kernel travels in bf16
     over_data = [c for c in found if c.group_size == data]
     gathers = [c for c in over_data if c.kind == "all-gather"]
-    assert {(c.dtype, c.loop_depth) for c in gathers} == {("bf16", depth)}
+    # bf16, gathered as its bits on CPU (collectives.gathers_bits).
+    assert {(c.dtype, c.loop_depth) for c in gathers} == {("u16", depth)}
     assert sorted(c.result_bytes for c in gathers) == sorted(
         2 * local(lay) for lay, _ in sharded for _ in range(gathers_per_step)
     )
@@ -348,7 +349,7 @@ def test_per_layer_looks_rows_up_in_an_untied_table_without_gathering_it():
     tokens = config.global_batch_size // 8 * config.data.max_length  # a replica's
 
     def elements(c):
-        return c.result_bytes // {"bf16": 2, "f32": 4, "s32": 4}[c.dtype]
+        return c.result_bytes // {"bf16": 2, "u16": 2, "f32": 4, "s32": 4}[c.dtype]
 
     tables = [c for c in found if c.kind == "all-gather" and elements(c) == vocab * emb]
     assert len(tables) == 1, found  # the output table's; the input table's is not gathered
@@ -363,7 +364,7 @@ def test_per_layer_looks_rows_up_in_an_untied_table_without_gathering_it():
 
 @pytest.mark.slow  # ~12 s of compiles, cold
 def test_buckets_gather_small_weights_together():
-    # After SPMD partitioning (CPU HLO): one bf16 all-gather per bucket, of the bucket's
+    # After SPMD partitioning (CPU HLO): one 16-bit all-gather per bucket, of the bucket's
     # bytes, and one for each parameter in none; the reduce-scatters stay per parameter.
     exp, layouts, low, found = _step_collectives("wus", "buckets")
     buckets = exp.plan.gather_buckets

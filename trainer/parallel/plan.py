@@ -40,7 +40,9 @@ differ only in where state lives and which collectives run:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -218,6 +220,9 @@ class UpdateShardingPlan:
         handed_low = self.handed_low
         bucketed = {i: bucket for bucket in self.gather_buckets for i in bucket}
         replicas = self.mesh.shape[mesh_lib.DATA_AXIS]
+        gather_all = functools.partial(
+            collectives.all_gather, bits=collectives.gathers_bits(self.mesh)
+        )
 
         def body(*leaves):
             # Cast on the shard, so the collective moves bf16.
@@ -228,13 +233,15 @@ class UpdateShardingPlan:
             gathered = {}
             for bucket in self.gather_buckets:
                 members = [(shards[i], layouts[i].dim) for i in bucket]
-                gathered.update(zip(bucket, _gather_bucket(members, replicas), strict=True))
+                gathered.update(
+                    zip(bucket, _gather_bucket(members, replicas, gather_all), strict=True)
+                )
             out = []
             for i, (lay, x) in enumerate(zip(layouts, shards, strict=True)):
                 if i in bucketed:
                     x = gathered[i]
                 elif lay.sharded:
-                    x = collectives.on_major_dim(collectives.all_gather, x, lay.dim)
+                    x = collectives.on_major_dim(gather_all, x, lay.dim)
                 dtype = self.gather_dtype if handed_low[i] else leaves[i].dtype
                 out.append(lay.to_logical(x).astype(dtype)[None])
             return tuple(out)
@@ -415,8 +422,11 @@ class UpdateShardingPlan:
         return rows
 
 
-def _gather_bucket(members: list[tuple[jax.Array, int]], replicas: int) -> list[jax.Array]:
-    """All-gathers several contiguously sharded tensors with one collective.
+def _gather_bucket(
+    members: list[tuple[jax.Array, int]], replicas: int, gather_all: Callable
+) -> list[jax.Array]:
+    """All-gathers several contiguously sharded tensors with one collective
+    (``gather_all``: :func:`~trainer.parallel.collectives.all_gather`).
 
     ``members`` are (local shard, sharded dim), with only size-1 dims before the
     sharded one. Their shards, flattened and concatenated, are gathered into
@@ -424,7 +434,7 @@ def _gather_bucket(members: list[tuple[jax.Array, int]], replicas: int) -> list[
     replicas' shards stacked on the sharded dim.
     """
     flat = jnp.concatenate([x.reshape(-1) for x, _ in members])
-    rows = collectives.all_gather(flat, 0).reshape(replicas, flat.size)
+    rows = gather_all(flat, 0).reshape(replicas, flat.size)
     out, offset = [], 0
     for x, dim in members:
         lead, shard = x.shape[:dim], x.shape[dim:]
