@@ -40,9 +40,9 @@ _DTYPE_BYTES = {
     "s64": 8,
     "u64": 8,
 }
-# The collectives' HLO opcodes (and their async starts).
+# The collectives' HLO opcodes, and their async starts -> the opcode.
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_ASYNC_KINDS = {f"{k}-start": k for k in KINDS}
+ASYNC_KINDS = {f"{k}-start": k for k in KINDS}
 _EMITTER = re.compile(r'"emitter":"(\w+)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
@@ -484,7 +484,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     for name, lines in bodies.items():
         for line in lines:
             match = _INSTRUCTION.match(line)
-            if not match or (match.group(2) not in KINDS and match.group(2) not in _ASYNC_KINDS):
+            if not match or (match.group(2) not in KINDS and match.group(2) not in ASYNC_KINDS):
                 continue
             host, piece = caller.get(name, ("", ""))
             chain = re.search(r'chain_id="(\w+)"', line)
@@ -522,7 +522,7 @@ CHAIN_ENDS = ("async-collective-start", "async-collective-done")
 def _collective(line, match, name, where, num_devices, fused_scatter) -> Collective:
     """The :class:`Collective` of one collective instruction ``line`` in computation ``name``."""
     shapes = _SHAPE.findall(match.group(1))
-    is_async = match.group(2) in _ASYNC_KINDS
+    is_async = match.group(2) in ASYNC_KINDS
     if is_async and match.group(1).startswith("(") and len(shapes) > 1:
         # A -start returns (operands, results[, scratch]): keep the results.
         shapes = shapes[len(shapes) // 2 :] if len(shapes) % 2 == 0 else shapes[1:]
@@ -531,7 +531,7 @@ def _collective(line, match, name, where, num_devices, fused_scatter) -> Collect
     )
     group = first_replica_group(line, num_devices)
     algorithm = Algorithm.of(line)
-    kind = _ASYNC_KINDS.get(match.group(2), match.group(2))
+    kind = ASYNC_KINDS.get(match.group(2), match.group(2))
     if kind == "all-reduce" and name in fused_scatter:
         kind, size, algorithm = "reduce-scatter", size // len(group), fused_scatter[name]
     chain = re.search(r'chain_id="(\w+)"', line)

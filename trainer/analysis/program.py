@@ -55,7 +55,7 @@ _FREE = {
     "send-done",
     "recv-done",
 }
-_NETWORK = {*hlo.KINDS, *hlo._ASYNC_KINDS}  # timed by the network model instead
+_NETWORK = {*hlo.KINDS, *hlo.ASYNC_KINDS}  # timed by the network model instead
 
 
 @dataclasses.dataclass(frozen=True)
