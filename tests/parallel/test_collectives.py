@@ -17,14 +17,14 @@ from trainer.parallel.layout import LeafLayout
 
 
 @pytest.mark.parametrize(
-    "group, vocab, pad",
+    "group, vocab, pad, bits",
     [
-        (0, 64, 0),
-        (0, 61, 3),  # padded rows: never looked up, zero gradient
-        (4, 40, 0),  # partial sharding (2 replicas of 4): summed over the replicas
+        (0, 64, 0, False),
+        (0, 61, 3, True),  # padded rows: never looked up, zero gradient
+        (4, 40, 0, True),  # partial sharding (2 replicas of 4): summed over the replicas
     ],
 )
-def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad):
+def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad, bits):
     features, dtype = 16, jnp.float32
     mesh = mesh_lib.make_mesh({"data": 8, "model": 1}, shard_group_size=group)
     data = mesh_lib.data_axes(mesh)
@@ -36,7 +36,9 @@ def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad):
     # 8 replicas' rows of 5 tokens; ids repeat within and across replicas.
     ids = rng.integers(0, vocab, size=(8, 2, 5)).astype(np.int32)
     cotangent = jnp.asarray(rng.normal(size=(8, 2, 5, features)), jnp.bfloat16)
-    lookup = collectives.sharded_lookup(lay, n, dtype, jnp.bfloat16, jnp.float32, partial)
+    lookup = collectives.sharded_lookup(
+        lay, n, dtype, jnp.bfloat16, jnp.float32, partial, bits=bits
+    )
 
     def per_replica(shard, ids, cotangent):
         rows, vjp = jax.vjp(lambda s: lookup(s, ids[0]), shard)
@@ -63,38 +65,54 @@ def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad):
     assert not np.asarray(grad)[vocab:].any()
 
 
-def test_bf16_is_gathered_as_its_bits_on_cpu_and_as_a_float_on_tpu():
+# Each collective that moves bits, as (name in the HLO, function of (x, bits), the
+# output's spec): both give back the [24, 16] array they were handed, moved.
+MOVES = {
+    "all-gather": (lambda x, bits: collectives.all_gather(x, 0, bits=bits)[None], P("data")),
+    "all-to-all": (lambda x, bits: collectives.all_to_all(x, 1, 0, bits=bits), P(None, "data")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MOVES))
+def test_bf16_is_moved_as_its_bits_on_cpu_and_as_a_float_on_tpu(kind):
+    move, out_spec = MOVES[kind]
     mesh = mesh_lib.make_mesh({"data": 8, "model": 1})
     assert collectives.gathers_bits(mesh)
-    # Every kind of bf16 value a gather must carry as it is: signed zeros, subnormals,
-    # infinities and a NaN with a payload.
-    bits = np.random.default_rng(0).integers(0, 2**16, size=(8, 3, 16), dtype=np.uint16)
-    bits[0, 0, :6] = [0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC1]
-    shards = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16).reshape(24, 16)
+    # Every kind of bf16 value a collective must carry as it is: signed zeros,
+    # subnormals, infinities and a NaN with a payload.
+    bits = np.random.default_rng(0).integers(0, 2**16, size=(24, 16), dtype=np.uint16)
+    bits[0, :6] = [0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC1]
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
 
-    def gathered(bits_on):
+    def moved(bits_on):
         return jax.jit(
             jax.shard_map(
-                lambda x: collectives.all_gather(x, 0, bits=bits_on)[None],
+                lambda v: move(v, bits_on),
                 mesh=mesh,
                 in_specs=P("data"),
-                out_specs=P("data"),
+                out_specs=out_spec,
                 check_vma=False,
             )
         )
 
-    out = gathered(True)(shards)
-    as_bits = np.asarray(jax.lax.bitcast_convert_type(out, jnp.uint16))
-    np.testing.assert_array_equal(as_bits, np.broadcast_to(bits.reshape(24, 16), (8, 24, 16)))
+    out = np.asarray(jax.lax.bitcast_convert_type(moved(True)(x), jnp.uint16))
+    want = np.broadcast_to(bits, (8, 24, 16)) if kind == "all-gather" else bits
+    np.testing.assert_array_equal(out, want)
 
-    def all_gathers(program):  # (dtype, shape) of each all-gather XLA:CPU runs
-        text = program.lower(shards).compile().as_text()
-        return re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} all-gather\(", text)
+    def collectives_run(program):  # the element types of each such collective XLA:CPU runs
+        text = program.lower(x).compile().as_text()
+        # "%a = u16[24,16]{1,0} all-gather(...", or split: "%b = (f32[3,2]{1,0}, ...) all-to-all("
+        results = [
+            line.split(" = ", 1)[1].split(f" {kind}(")[0]
+            for line in text.splitlines()
+            if f" {kind}(" in line
+        ]
+        return [sorted(set(re.findall(r"(\w+)\[", r))) for r in results]
 
-    # What the bits avoid (jaxlib 0.12.0.1): XLA:CPU gathers bf16 in f32. When this
-    # fails, XLA:CPU gathers bf16 as it is, and gathers_bits can go.
-    assert all_gathers(gathered(False)) == [("f32", "24,16")]
-    assert all_gathers(gathered(True)) == [("u16", "24,16")]
-    # A TPU compiles the float's gather as it is.
+    # What the bits avoid (jaxlib 0.12.0.1): XLA:CPU moves bf16 in f32. When this fails,
+    # XLA:CPU moves bf16 as it is, and gathers_bits can go.
+    assert collectives_run(moved(False)) == [["f32"]]
+    assert collectives_run(moved(True)) == [["u16"]]
+    # A TPU compiles the float's collectives as they are.
     tpu = mesh_lib.make_mesh({"data": -1}, devices=tpu_devices("v5e:2x2"))
     assert not collectives.gathers_bits(tpu)

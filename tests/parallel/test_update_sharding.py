@@ -357,6 +357,10 @@ def test_per_layer_looks_rows_up_in_an_untied_table_without_gathering_it():
     # Forward: the table's columns, then the rows; backward: the rows' cotangents, then
     # the columns' gradient.
     assert trades == sorted([vocab * emb // 8, tokens * emb] * 2), trades
+    # The columns, the rows and the rows' cotangents are bf16, traded as their bits on
+    # CPU (collectives.gathers_bits); the columns' gradient is summed in f32.
+    kinds = sorted(c.dtype for c in found if c.kind == "all-to-all")
+    assert kinds == ["f32", "u16", "u16", "u16"], kinds
     shard = vocab * emb // 8
     scatters = [c for c in found if c.kind == "reduce-scatter" and elements(c) == shard]
     assert len(scatters) == 1, scatters  # the output table's gradient only

@@ -34,16 +34,36 @@ def gathers_bits(mesh: Mesh) -> bool:
     return np.asarray(mesh.devices).flat[0].platform == "cpu"
 
 
+def _as_bits(x: jax.Array, bits: bool) -> bool:
+    """Whether a collective moves ``x`` as its bits: where ``bits``, a 16-bit float."""
+    return bits and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2
+
+
 def all_gather(x: jax.Array, dim: int, *, bits: bool = False) -> jax.Array:
     """The shards of ``x`` over ``data``, concatenated on ``dim``; a 16-bit float's
     as its bits where ``bits`` (:func:`gathers_bits`)."""
-    if bits and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
-        gathered = all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), dim)
-        # Materialised on its own: XLA:CPU emits a transpose fused with a bitcast-convert
-        # as a scalar loop (the 64M decoder's output table: 339 ms a step, against 75 ms
-        # for the transpose of bf16 and 56 ms for the convert from f32 before it).
-        return jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(gathered, x.dtype))
-    return jax.lax.all_gather(x, mesh_lib.DATA_AXIS, axis=dim, tiled=True)
+    if not _as_bits(x, bits):
+        return jax.lax.all_gather(x, mesh_lib.DATA_AXIS, axis=dim, tiled=True)
+    gathered = all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), dim)
+    # Materialised on its own: XLA:CPU emits a transpose fused with a bitcast-convert as
+    # a scalar loop (the 64M decoder's output table: 339 ms a step, against 75 ms for
+    # the transpose of bf16 and 56 ms for the convert from f32 before it).
+    return jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(gathered, x.dtype))
+
+
+def all_to_all(x: jax.Array, split: int, concat: int, *, bits: bool = False) -> jax.Array:
+    """``x`` cut into as many blocks on ``split`` as ``data`` has devices, block ``i``
+    sent to device ``i``, and the blocks received concatenated on ``concat``; a 16-bit
+    float's as its bits where ``bits`` (XLA:CPU runs a bf16 all-to-all in f32 too)."""
+    if not _as_bits(x, bits):
+        return jax.lax.all_to_all(
+            x, mesh_lib.DATA_AXIS, split_axis=split, concat_axis=concat, tiled=True
+        )
+    traded = all_to_all(jax.lax.bitcast_convert_type(x, jnp.uint16), split, concat)
+    # No barrier here: what reads a trade (the lookup's take, the gradient's sum) fuses
+    # the bitcast back well, and a barrier made the 64M lookup slower than f32's (94
+    # against 90 ms a step forward and backward, 79 without it; scripts/collective_bits.py).
+    return jax.lax.bitcast_convert_type(traded, x.dtype)
 
 
 def reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
@@ -120,7 +140,14 @@ def lookup_eligible(lay: LeafLayout, replicas: int) -> bool:
 
 
 def sharded_lookup(
-    lay: LeafLayout, replicas: int, dtype, gather_dtype, reduce_dtype, partial: bool
+    lay: LeafLayout,
+    replicas: int,
+    dtype,
+    gather_dtype,
+    reduce_dtype,
+    partial: bool,
+    *,
+    bits: bool = False,
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """``(this device's shard of a table stored as lay, int ids) -> the ids' rows
     [*ids.shape, features]``, in ``gather_dtype``, with no gather of the table.
@@ -128,14 +155,15 @@ def sharded_lookup(
     Gathering a ``[vocab, features]`` table to look up a few thousand rows holds the
     whole table on every device (at 32,000 x 8,192 in bf16, 500 MiB a chip) and
     reduce-scatters a whole-table gradient. Here the devices of ``data`` trade the
-    table's columns instead (:func:`jax.lax.all_to_all`: each ends with every row's
-    ``features / n`` columns, ``1 / n`` of the table), look up every device's ids
-    there, and trade the rows back, each device receiving its own ids' rows whole.
-    The gradient goes the same way back: each device sums the cotangents of every
-    device's ids into its columns in ``reduce_dtype`` (one sum over all the rows of
-    the data axis, which is what the reduce-scatter of per-device sums would give),
-    and the columns are traded back into the stored rows. Bytes moved a step are the
-    rows' (``tokens x features``) and ``1 / n`` of the table, against the table's twice.
+    table's columns instead (:func:`all_to_all`, as bits where ``bits``: each ends
+    with every row's ``features / n`` columns, ``1 / n`` of the table), look up every
+    device's ids there, and trade the rows back, each device receiving its own ids'
+    rows whole. The gradient goes the same way back: each device sums the cotangents
+    of every device's ids into its columns in ``reduce_dtype`` (one sum over all the
+    rows of the data axis, which is what the reduce-scatter of per-device sums would
+    give), and the columns are traded back into the stored rows. Bytes moved a step
+    are the rows' (``tokens x features``) and ``1 / n`` of the table, against the
+    table's twice.
 
     Requires :func:`lookup_eligible` (``replicas``: the size of ``data``). Padding
     rows are never looked up; their gradient is zero. The gradient comes back in
@@ -144,14 +172,10 @@ def sharded_lookup(
     columns_shape = (lay.stored_shape[0], lay.shape[1] // replicas)
 
     def forward(shard, ids):
-        columns = jax.lax.all_to_all(
-            shard.astype(gather_dtype), mesh_lib.DATA_AXIS, split_axis=1, concat_axis=0, tiled=True
-        )  # [rows, features / n]
+        columns = all_to_all(shard.astype(gather_dtype), 1, 0, bits=bits)  # [rows, features / n]
         every_id = jax.lax.all_gather(ids.reshape(-1), mesh_lib.DATA_AXIS, tiled=True)
         rows = jnp.take(columns, every_id, axis=0)  # [n * tokens, features / n]
-        rows = jax.lax.all_to_all(
-            rows, mesh_lib.DATA_AXIS, split_axis=0, concat_axis=1, tiled=True
-        )  # [tokens, features]
+        rows = all_to_all(rows, 0, 1, bits=bits)  # [tokens, features]
         return rows.reshape(*ids.shape, rows.shape[-1]), every_id
 
     @jax.custom_vjp
@@ -160,13 +184,9 @@ def sharded_lookup(
 
     def backward(every_id, grad):
         grad = grad.reshape(-1, grad.shape[-1])
-        grad = jax.lax.all_to_all(
-            grad, mesh_lib.DATA_AXIS, split_axis=1, concat_axis=0, tiled=True
-        )  # [n * tokens, features / n]
+        grad = all_to_all(grad, 1, 0, bits=bits)  # [n * tokens, features / n]
         summed = jnp.zeros(columns_shape, reduce_dtype).at[every_id].add(grad.astype(reduce_dtype))
-        summed = jax.lax.all_to_all(
-            summed, mesh_lib.DATA_AXIS, split_axis=0, concat_axis=1, tiled=True
-        )  # the stored rows, every column
+        summed = all_to_all(summed, 0, 1, bits=bits)  # the stored rows, every column
         if partial:
             summed = jax.lax.psum(summed, mesh_lib.REPLICA_AXIS)
         return summed.astype(dtype), None

@@ -149,7 +149,13 @@ def losses(
         for i, module in looked_up.items():
             gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
             readers[module] = collectives.sharded_lookup(
-                layouts[i], replicas, dtypes[i], gather_dtype, plan.reduce_dtype, partial
+                layouts[i],
+                replicas,
+                dtypes[i],
+                gather_dtype,
+                plan.reduce_dtype,
+                partial,
+                bits=bits,
             )
         return readers
 
