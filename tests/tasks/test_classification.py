@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import RUNS_LONG
 
 from configs import resnet50_1024
 from trainer.training import train as train_lib
@@ -21,6 +22,7 @@ def test_tiny_resnet_learns(tmp_path):
         log_every_steps=20,
         eval_every_steps=60,
         checkpoint_every_steps=0,
+        compiler_options=RUNS_LONG,  # 60 steps of convolutions
     )
     state = train_lib.train(config, str(tmp_path / "run"))
     with open(tmp_path / "run" / "metrics.jsonl") as f:

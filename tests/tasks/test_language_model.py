@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import run_command
+from conftest import RUNS_LONG, run_command
 
 from configs import bert_large, llama
 from trainer.errors import UserError
@@ -242,6 +242,7 @@ def test_the_tiny_decoder_learns_as_a_user_runs_it(tmp_path):
 def test_the_tiny_bert_learns_as_a_user_runs_it(tmp_path):
     config = bert_large.get_config("tiny")
     config.data.data_dir = str(tmp_path / "tfds")
+    config.compiler_options = RUNS_LONG  # 300 steps
     train_lib.train(config, str(tmp_path / "run"))
     evals = [r for r in rows(tmp_path / "run") if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 300

@@ -16,6 +16,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from conftest import RUNS_LONG
 
 from configs import bert_large, llama, transformer_1024
 from trainer.input import feed as feed_lib
@@ -54,6 +55,7 @@ def config_of(family, data_dir, scan, mode):
         schedule="cosine",
     )
     config.num_train_steps = STEPS
+    config.compiler_options = RUNS_LONG  # 40 steps: they run longer than they compile
     return config
 
 

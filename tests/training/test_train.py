@@ -7,7 +7,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import run_command, tiny_command, tiny_translation
+from conftest import RUNS_LONG, run_command, tiny_command, tiny_translation
 
 from trainer.errors import ConfigError
 from trainer.parallel import hardware
@@ -36,6 +36,7 @@ def test_tiny_run_learns_and_reports(data_dir, tmp_path, monkeypatch, capsys):
     # figure here, so that the test can check the arithmetic).
     config.measure_cpu_peak = True
     monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype: 8e11)
+    config.compiler_options = RUNS_LONG  # 120 steps
     train_lib.train(config, str(tmp_path))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [20, 40, 60, 80, 100, 120]
