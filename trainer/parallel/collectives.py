@@ -22,14 +22,14 @@ from trainer.parallel.layout import LeafLayout
 
 
 def gathers_bits(mesh: Mesh) -> bool:
-    """Whether :func:`all_gather` on ``mesh`` moves a 16-bit float's bits (``bits``):
-    on CPU devices.
+    """Whether :func:`all_gather` and :func:`all_to_all` on ``mesh`` move a 16-bit
+    float's bits (their ``bits``): on CPU devices.
 
     XLA:CPU runs an all-gather of bf16 in f32 (jaxlib 0.12.0.1): it converts every
     shard up, gathers twice the bytes and converts the whole result back down, two
-    passes over the gathered weights. An all-gather of uint16 it runs as it is. A
-    gather does no arithmetic, so gathering the bits is exact. Other back ends gather
-    bf16 as it is, and get the float.
+    passes over the gathered weights; an all-to-all alike. uint16 it moves as it is.
+    These collectives do no arithmetic, so moving the bits is exact. Other back ends
+    move bf16 as it is, and get the float.
     """
     return np.asarray(mesh.devices).flat[0].platform == "cpu"
 
