@@ -148,15 +148,8 @@ def losses(
         readers = {stack: _applying(fns) for stack, fns in per_stack.items()}
         for i, module in looked_up.items():
             gather_dtype = plan.gather_dtype if low[i] else dtypes[i]
-            readers[module] = collectives.sharded_lookup(
-                layouts[i],
-                replicas,
-                dtypes[i],
-                gather_dtype,
-                plan.reduce_dtype,
-                partial,
-                bits=bits,
-            )
+            table = (layouts[i], replicas, dtypes[i], gather_dtype, plan.reduce_dtype, partial)
+            readers[module] = collectives.sharded_lookup(*table, bits=bits)
         return readers
 
     def body(leaves, model_state, rows, rngs, weight):
