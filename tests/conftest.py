@@ -8,9 +8,10 @@ import time of the first module pytest loads. Many tests compile the same tiny r
 
 The suite's programs are tiny and run a few steps, so compiling them is most of its
 time, and LLVM's optimisation of XLA:CPU's kernels is most of a compile: the tests'
-own programs compile at LLVM's level 0 (:data:`COMPILE_FLAGS`). Their numbers differ
-from the default level's in rounding only, which the tests' tolerances hold: they
-compare against independent references, not against the bits of one compile level.
+own programs compile at LLVM's level 0 (:data:`COMPILE_FLAGS`), but for the few
+whose training loops run longer than they compile (:data:`RUNS_LONG`). Their numbers
+differ from the default level's in rounding only, which the tests' tolerances hold:
+they compare against independent references, not against the bits of one level.
 The commands the tests start compile at the default level, as a user's do (it saved
 them nothing: their time is start-up and running).
 """

@@ -65,8 +65,8 @@ def test_sharded_lookup_equals_take_on_the_whole_table(group, vocab, pad, bits):
     assert not np.asarray(grad)[vocab:].any()
 
 
-# Each collective that moves bits, as (name in the HLO, function of (x, bits), the
-# output's spec): both give back the [24, 16] array they were handed, moved.
+# Each collective that moves bits: its name in the HLO -> (a function of (x, bits), the
+# output's spec). Both give back the [24, 16] array they were handed, moved.
 MOVES = {
     "all-gather": (lambda x, bits: collectives.all_gather(x, 0, bits=bits)[None], P("data")),
     "all-to-all": (lambda x, bits: collectives.all_to_all(x, 1, 0, bits=bits), P(None, "data")),
