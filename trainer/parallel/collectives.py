@@ -62,7 +62,8 @@ def all_to_all(x: jax.Array, split: int, concat: int, *, bits: bool = False) -> 
     traded = all_to_all(jax.lax.bitcast_convert_type(x, jnp.uint16), split, concat)
     # No barrier here: what reads a trade (the lookup's take, the gradient's sum) fuses
     # the bitcast back well, and a barrier made the 64M lookup slower than f32's (94
-    # against 90 ms a step forward and backward, 79 without it; scripts/collective_bits.py).
+    # against 90 ms forward and backward, 79 without it: the lookup of
+    # scripts/collective_bits.py, with a third variant behind a barrier, 7 rounds).
     return jax.lax.bitcast_convert_type(traded, x.dtype)
 
 
