@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from trainer.errors import ConfigError
+from trainer.parallel import run_once
 from trainer.parallel.layout import LeafLayout
 from trainer.parallel.plan import UpdateShardingPlan, is_layout
 from trainer.parallel.rules import param_name
@@ -210,9 +211,12 @@ def check_layout_agnostic(
             )
         return outs
 
-    # One compiled program for both (op by op, a large tree takes many seconds).
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        logical, stored = jax.jit(lambda: (run(False), run(True)))()
+    # One compiled program for both (op by op, a large tree takes many seconds), run
+    # once: LLVM level 1 (trainer/parallel/run_once.py).
+    cpu = jax.local_devices(backend="cpu")[0]
+    with jax.default_device(cpu):
+        check = jax.jit(lambda: (run(False), run(True)), compiler_options=run_once.options([cpu]))
+        logical, stored = check()
     for want_step, got_step in zip(logical, stored, strict=True):
         for i, want, got in zip(checked, want_step, got_step, strict=True):
             got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -27,7 +27,7 @@ from models import stacking
 from trainer import console
 from trainer import tasks as tasks_lib
 from trainer.errors import ConfigError, floating_dtype
-from trainer.parallel import batches, precision
+from trainer.parallel import batches, precision, run_once
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel import plan as plan_lib
 from trainer.parallel import rules as rules_lib
@@ -402,7 +402,13 @@ def build(
     )
 
     # ``stored`` is donated: those parameters become the state's, not copies of them.
-    init_jit = jax.jit(init_state, out_shardings=state_shardings, donate_argnums=(3,))
+    # It runs once: on CPU, LLVM level 1 halves its compile (trainer/parallel/run_once.py).
+    init_jit = jax.jit(
+        init_state,
+        out_shardings=state_shardings,
+        donate_argnums=(3,),
+        compiler_options=run_once.options(mesh.devices.flat),
+    )
 
     def init(
         loaded: dict[str, jax.Array] | None = None, stored: dict[str, jax.Array] | None = None
