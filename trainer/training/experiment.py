@@ -321,6 +321,18 @@ def make_plan(model: Model, mode: str | None = None) -> plan_lib.UpdateShardingP
     )
 
 
+def _replaced(params, values, cast: bool):
+    """``params`` with the leaves ``values`` names (``{"a/b/kernel": array}``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            (values[name].astype(x.dtype) if cast else values[name])
+            if (name := rules_lib.param_name(path)) in values
+            else x
+        ),
+        params,
+    )
+
+
 def build(
     config: ml_collections.ConfigDict,
     *,
@@ -353,27 +365,16 @@ def build(
     # ------------------------------------------- the train state, abstract
     init_rng, state_rng = jax.random.split(jax.random.PRNGKey(config.seed))
 
-    def replaced(params, values, cast: bool):
-        """``params`` with the leaves ``values`` names (``{"a/b/kernel": array}``)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: (
-                (values[name].astype(x.dtype) if cast else values[name])
-                if (name := rules_lib.param_name(path)) in values
-                else x
-            ),
-            params,
-        )
-
     def init_state(rng_init, rng_state, loaded=None, stored=None):
         # Unboxed without Flax's constraint to the logical spec (replicated over data):
         # plan.spread places them instead, so that each device draws its share only.
         variables = stacking.unbox_unconstrained(task.init_fn(rng_init, task.init_batch))
         params = plan.spread(variables.pop("params"))
         if loaded:  # init_from: {"a/b/kernel": logical array} replaces the initial value
-            params = replaced(params, loaded, cast=True)
+            params = _replaced(params, loaded, cast=True)
         params = plan.to_stored(params)
         if stored:  # the same, already in the stored layout (the initialisers left unrun)
-            params = replaced(params, stored, cast=False)
+            params = _replaced(params, stored, cast=False)
         return step_lib.TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -402,12 +403,10 @@ def build(
     )
 
     # ``stored`` is donated: those parameters become the state's, not copies of them.
-    # It runs once: on CPU, LLVM level 1 halves its compile (trainer/parallel/run_once.py).
+    # Run once: on CPU, LLVM level 1 halves its compile (trainer/parallel/run_once.py).
+    once = run_once.options(mesh.devices.flat)
     init_jit = jax.jit(
-        init_state,
-        out_shardings=state_shardings,
-        donate_argnums=(3,),
-        compiler_options=run_once.options(mesh.devices.flat),
+        init_state, out_shardings=state_shardings, donate_argnums=(3,), compiler_options=once
     )
 
     def init(
