@@ -403,7 +403,7 @@ def build(
     )
 
     # ``stored`` is donated: those parameters become the state's, not copies of them.
-    # Run once: on CPU, LLVM level 1 halves its compile (trainer/parallel/run_once.py).
+    # Run once: on CPU at LLVM level 1, a faster compile (trainer/parallel/run_once.py).
     once = run_once.options(mesh.devices.flat)
     init_jit = jax.jit(
         init_state, out_shardings=state_shardings, donate_argnums=(3,), compiler_options=once
