@@ -6,21 +6,22 @@ times and earns it; the programs a run executes once do not: the sharded
 initialisation of the parameters and the optimizer state
 (:func:`trainer.training.experiment.build`'s ``init``), and the optimizer's layout
 check (:func:`trainer.parallel.transform.check_layout_agnostic`, always on the
-host's CPU). Level 1 cuts their compile by a sixth to a half and keeps level 3's
-kernel speed; level 0 compiles faster still but draws random numbers six times
+host's CPU). Level 1 takes a third to a half off their compile and keeps level 3's
+kernel speed; level 0 compiles faster still but draws random numbers seven times
 slower, which a larger model's init would pay for.
 
 Measured on this project's 2-core machine, the sharded ``init`` program alone
-(seconds to compile + to run, persistent cache off, 8 CPU devices; the decoders are
+(seconds to compile + to run, each level twice in the order 1 3 0 3 1 0 in one
+process, JAX's caches cleared before each compile; 8 CPU devices; the decoders are
 ``scripts/maxtext_side_by_side.py``'s):
 
-============================================  ===========  ===========  ===========
-program                                        level 3      level 1      level 0
-============================================  ===========  ===========  ===========
-``init`` of the 64M decoder (per_layer)        11.1 + 0.9   6.5 + 0.8    5.6 + 5.4
-``init`` of the 2M decoder (per_layer)         4.8 + 0.0    4.0 + 0.0    2.3 + 0.2
-``init`` of the ``:tiny`` Transformer          6.3 + 0.0    3.2 + 0.0    2.3 + 0.0
-============================================  ===========  ===========  ===========
+========================================  ===============  =============  =================
+program                                   level 3          level 1        level 0
+========================================  ===============  =============  =================
+``init`` of the 64M decoder (per_layer)   10.5-11.4 + 0.7  6.1-6.4 + 0.7  5.5-5.9 + 4.6-5.4
+``init`` of the 2M decoder (per_layer)    5.1-5.3 + 0.0    3.5-3.7 + 0.0  2.4-2.9 + 0.1
+``init`` of the ``:tiny`` Transformer     6.8-7.3 + 0.0    2.8-3.8 + 0.0  2.6-2.8 + 0.0
+========================================  ===============  =============  =================
 
 Where ``XLA_FLAGS`` sets a level (``--xla_backend_optimization_level``) that level
 stands: a compile option would override it, and whoever set it chose it for every
