@@ -8,17 +8,17 @@ the Llama decoder with AdamW, BERT with LAMB (a trust ratio per layer, norm scal
 and biases neither decayed nor trust-ratioed), the Transformer with AdamW. What
 could differ is exactly what this guards: a decay mask taken on the stored
 ``[layers, ...]`` tensor (stacked norm scales decayed moved the decoder's and BERT's
-losses by 1.5e-4 and 5.7e-4 here). A trust ratio taken over a whole stack it does not
-see: the tiny BERT's layers have alike norms, and that bug moved its losses by less
-than the tolerance; ``tests/training/test_layerwise.py`` holds the ratios against
-optax on the unstacked tree, where it fails.
+losses by 1.5e-4 and 5.7e-4 here). It does not see a trust ratio taken over a whole
+stack: the tiny BERT's layers have alike norms, and that bug moved its losses by less
+than the tolerance; ``tests/training/test_layerwise.py``, which holds the ratios
+against optax on the unstacked tree, fails on it.
 
 Each mode's stacks are held against one reference a family: its layers trained
 without update sharding (``none``), the plain data-parallel layout. The modes differ
 among themselves by the order of their sums only: every mode's stacks were within
 3.0e-7 of every mode's layers over the 40 steps, for each family (measured at the
-loops' level 3), under a third of the tolerance. (Without a stack ``per_layer`` has nothing
-to gather a layer at a time, so it has no unscanned run of its own.)
+loops' level 3), under a third of the tolerance. (Without a stack ``per_layer`` has
+nothing to gather a layer at a time, so it has no unscanned run of its own.)
 """
 
 import functools
