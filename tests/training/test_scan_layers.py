@@ -6,11 +6,12 @@ Both start from the same numbers (a stack is a layout of the parameters:
 decay, clipping and warm-up active, for 40 steps of each family with its optimizer:
 the Llama decoder with AdamW, BERT with LAMB (a trust ratio per layer, norm scales
 and biases neither decayed nor trust-ratioed), the Transformer with AdamW. It
-guards against a decay mask taken on the stored ``[layers, ...]`` tensor (stacked norm scales decayed moved the decoder's and BERT's
-losses by 1.5e-4 and 5.7e-4 here). It does not see a trust ratio taken over a whole
-stack: the tiny BERT's layers have alike norms, and that bug moved its losses by less
-than the tolerance; ``tests/training/test_layerwise.py``, which holds the ratios
-against optax on the unstacked tree, fails on it.
+guards against a decay mask taken on the stored ``[layers, ...]`` tensor (stacked
+norm scales decayed moved the decoder's and BERT's losses by 1.5e-4 and 5.7e-4
+here). It does not see a trust ratio taken over a whole stack: the tiny BERT's
+layers have alike norms, and that bug moved its losses by less than the tolerance;
+``tests/training/test_layerwise.py``, which holds the ratios against optax on the
+unstacked tree, fails on it.
 
 Each mode's stacks are held against one reference a family: its layers trained
 without update sharding (``none``), the plain data-parallel layout. The modes differ
