@@ -22,6 +22,12 @@ import sys
 import tempfile
 import threading
 
+# PyTorch (the Hugging Face tests' reference, in this process and in the commands and
+# scripts they start) runs on one thread: the suite's two workers keep both cores busy,
+# and torch's OpenMP threads then wait on each other (the Llama reference of
+# test_torch_parity.py: 32-33 s on two threads beside one busy core, 10-12 s on one;
+# 12.2 against 11.6 s on an idle box). XLA:CPU does not read it (the same run times).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The CPU matmul peak for MFU is measured once and cached (trainer/parallel/hardware.py):
 # keep that cache out of the user's home.
 os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), "wus-trainer-test-cache")
