@@ -4,7 +4,9 @@
     python -m trainer ... --config.profile_steps=2,2 --workdir W
     python scripts/op_times.py W --steps 2 --devices 8
 
-Reads the Perfetto trace the run wrote (``W/profile/**/*.trace.json.gz``, plain JSON):
+Reads the Perfetto trace the run wrote (``W/profile/**/*.trace.json.gz``, plain JSON),
+or any JAX profile's ``*.xplane.pb`` (read with ``jax.profiler.ProfileData``: MaxText's
+``profiler=xplane`` writes only that, so both frameworks' runs are read alike):
 one complete event per executed op on XLA's threads (``tf_XLA...``; XLA:CPU names
 each by its HLO instruction: ``ynn_fusion.31``, ``all_gather.90``). Other threads'
 events (the host's Python), the runtime's own (``ThunkExecutor::Execute``,
@@ -33,6 +35,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from jax.profiler import ProfileData  # noqa: E402
+
 from trainer.analysis import hlo  # noqa: E402
 
 # Events of the runtime and the Python tracer, and control flow (a loop's event
@@ -57,17 +61,19 @@ def kind(name: str) -> str | None:
 
 
 def find_trace(path: str) -> str:
-    """``path`` if it is a trace, else the newest trace under it."""
+    """``path`` if it is a trace, else the newest trace under it (Perfetto's JSON
+    first, then an ``.xplane.pb``)."""
     if os.path.isfile(path):
         return path
-    traces = glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True)
-    if not traces:
-        raise SystemExit(f"error: no *.trace.json.gz under {path} (run with profile_steps)")
-    return max(traces, key=os.path.getmtime)
+    for pattern in ("*.trace.json.gz", "*.xplane.pb"):
+        traces = glob.glob(os.path.join(path, "**", pattern), recursive=True)
+        if traces:
+            return max(traces, key=os.path.getmtime)
+    raise SystemExit(f"error: no *.trace.json.gz or *.xplane.pb under {path} (profile_steps?)")
 
 
-def op_times(trace: str) -> tuple[dict[str, float], dict[str, int]]:
-    """``(microseconds by op name, events by op name)`` of a trace's ops."""
+def _json_events(trace: str):
+    """``(name, microseconds)`` of the complete events on XLA's threads of a Perfetto trace."""
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     xla = {  # XLA's threads, which run the ops
@@ -77,15 +83,31 @@ def op_times(trace: str) -> tuple[dict[str, float], dict[str, int]]:
         and e.get("name") == "thread_name"
         and e["args"]["name"].startswith("tf_XLA")
     }
+    for event in events:
+        if event.get("ph") == "X" and (event.get("pid"), event.get("tid")) in xla:
+            yield event["name"], event.get("dur", 0)
+
+
+def _xplane_events(trace: str):
+    """``(name, microseconds)`` of the events on XLA's threads (the host plane's lines
+    named ``tf_XLA...``) of an XSpace."""
+    host = ProfileData.from_file(trace).find_plane_with_name("/host:CPU")
+    for line in host.lines if host else ():
+        if line.name.startswith("tf_XLA"):
+            for event in line.events:
+                yield event.name, event.duration_ns / 1e3
+
+
+def op_times(trace: str) -> tuple[dict[str, float], dict[str, int]]:
+    """``(microseconds by op name, events by op name)`` of a trace's ops."""
+    events = _xplane_events(trace) if trace.endswith(".xplane.pb") else _json_events(trace)
     times: dict[str, float] = collections.Counter()
     counts: dict[str, int] = collections.Counter()
-    for event in events:
-        if event.get("ph") != "X" or (event.get("pid"), event.get("tid")) not in xla:
+    for name, us in events:
+        if kind(name) is None:
             continue
-        if kind(event["name"]) is None:
-            continue
-        times[event["name"]] += event.get("dur", 0)
-        counts[event["name"]] += 1
+        times[name] += us
+        counts[name] += 1
     return times, counts
 
 
