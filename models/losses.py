@@ -39,10 +39,28 @@ def cross_entropy_and_metrics(
     metrics = {
         "loss": loss,
         "nll": (-label_log_prob * weights).sum(),
-        "accuracy": ((logits.argmax(-1) == targets) * weights).sum(),
+        "accuracy": (is_argmax(logits, targets) * weights).sum(),
         "weight": weights.sum(),
     }
     return loss, metrics
+
+
+def is_argmax(logits: Array, targets: Array) -> Array:
+    """``logits.argmax(-1) == targets``, bool [...]: the label holds the largest logit
+    and no earlier id ties it (argmax takes the first of equal maxima).
+
+    Without argmax's reduce: it keeps a value and an index per step, a two-output
+    reduce that XLA:CPU runs as a scalar loop. One max and one comparison pass instead
+    took the loss, its gradient and the accuracy from 4.6 to 1.9 ms on one core for the
+    2M decoder's bf16 logits a device ([2, 128, 4096]; 17 to 7 ms for the 64M's
+    [1, 128, 32000]). The logsumexp's float32 max is not shared: comparing in float32
+    to share it was slower (2.1 ms).
+    A NaN logit counts as wrong here, where argmax could point at it.
+    """
+    top = logits.max(-1)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    earlier_tie = ((logits == top[..., None]) & (ids < targets[..., None])).any(-1)
+    return (_label_logit(logits, targets) == top) & ~earlier_tie
 
 
 def _label_logit(logits: Array, targets: Array) -> Array:

@@ -50,6 +50,26 @@ def test_the_loss_and_its_gradient_are_the_definitions(label_smoothing):
     np.testing.assert_allclose(np.asarray(bf16, np.float32), want_grad, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_accuracy_is_numpys_argmax_with_its_ties(dtype):
+    # Logits on a coarse grid tie often: argmax takes the first of equal maxima, so a
+    # label tied with an earlier id is wrong and a label tied with a later one right.
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.standard_normal((4, 64, 9))).astype(np.float32)
+    logits[0, :, 3:] = logits[0, :, :1]  # ids 0 and 3-8 tie: only 0 (or 1, 2) can win
+    top = logits.argmax(-1)
+    tied_later = (logits == logits.max(-1, keepdims=True)) & (np.arange(9) > top[..., None])
+    targets = np.where(rng.random((4, 64)) < 0.5, top, tied_later.argmax(-1))
+    targets = np.where(rng.random((4, 64)) < 0.2, rng.integers(0, 9, (4, 64)), targets)
+    weights = (rng.random((4, 64)) > 0.1).astype(np.float32)
+    want = top == targets
+    assert 0.2 < want.mean() < 0.8 and tied_later.any(-1)[~want].any()  # both kinds occur
+    got = losses.is_argmax(jnp.asarray(logits, dtype), jnp.asarray(targets))
+    np.testing.assert_array_equal(got, want)
+    _, metrics = losses.cross_entropy_and_metrics(jnp.asarray(logits, dtype), targets, weights)
+    assert metrics["accuracy"] == (want * weights).sum()
+
+
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_the_loss_and_its_gradient_hold_no_float32_logits(label_smoothing):
     # bf16 logits [rows, length, vocab] are a step's largest activation. The loss reads
