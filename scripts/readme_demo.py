@@ -8,8 +8,9 @@ docs/language_models.md.
 
 The commands are the README's, with its paths (``/tmp/demo``, ``/tmp/demo_params``,
 ``/tmp/finetune``, ``/tmp/profiled``; removed first, so run it where nothing else
-uses them). The embedded ``tiny_translation`` data and its vocabulary are removed
-from TFDS's default directory first too (the run generates them again in seconds),
+uses them). The embedded ``tiny_translation`` data and its vocabulary, and the
+vocabularies trained on text files (``text_files_*_spm_*``: the language model's), are
+removed from TFDS's default directory first too (the runs make them again in seconds),
 so the transcript is a first run's, as a new user sees it. Each command's wall time
 is printed. Each transcript replaces the block
 between its page's ``readme_demo.py: transcript`` markers, and the picture is the
@@ -113,8 +114,10 @@ def main() -> int:
         shutil.rmtree(directory, ignore_errors=True)
     tfds_dir = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
     shutil.rmtree(os.path.join(tfds_dir, "tiny_translation"), ignore_errors=True)
+    # The vocabularies trained on text files too (the language model's run trains one on
+    # examples/text; a later run reuses it and would not show the training).
     for name in os.listdir(tfds_dir) if os.path.isdir(tfds_dir) else ():
-        if name.startswith("tiny_translation_spm_"):
+        if name.startswith("tiny_translation_spm_") or re.match(r"text_files_\w+_spm_", name):
             os.remove(os.path.join(tfds_dir, name))
 
     start = time.perf_counter()
