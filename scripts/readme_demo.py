@@ -30,6 +30,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainer.input import text_files  # noqa: E402  (the name its vocabularies start with)
+
 README = os.path.join(REPO, "README.md")
 LANGUAGE_MODELS = os.path.join(REPO, "docs", "language_models.md")
 PICTURE = os.path.join(REPO, "docs", "tiny_run.png")
@@ -117,7 +120,8 @@ def main() -> int:
     # The vocabularies trained on text files too (the language model's run trains one on
     # examples/text; a later run reuses it and would not show the training).
     for name in os.listdir(tfds_dir) if os.path.isdir(tfds_dir) else ():
-        if name.startswith("tiny_translation_spm_") or re.match(r"text_files_\w+_spm_", name):
+        trained_on_text = name.startswith(f"{text_files.NAME}_") and "_spm_" in name
+        if name.startswith("tiny_translation_spm_") or trained_on_text:
             os.remove(os.path.join(tfds_dir, name))
 
     start = time.perf_counter()
