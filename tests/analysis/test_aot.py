@@ -702,3 +702,61 @@ def test_flash_attention_runs_on_each_devices_share_of_the_heads(mode):
     assert any(n.startswith("flash_mha_bwd_dq") for n in names), names
     # [rows, heads, length, head_dim]: a replica's 4 rows, 8 / 2 heads.
     assert {tuple(shape) for _, shape in kernels} == {(4, 4, 256, 128)}
+
+
+@pytest.mark.slow  # two TPU compiles: ~40 s
+def test_a_whole_slice_reduces_each_layers_gradient_ring_by_ring(monkeypatch):
+    """per_layer over a whole v5p:4x4x8 slice (rings of 4, 4 and 8 chips, each closed):
+    asked for one reduce-scatter over the 128 chips, libtpu runs an all-reduce of
+    each layer's whole gradient and a slice; asked ring by ring
+    (collectives.reduce_scatter with mesh.data_rings), it runs true reduce-scatters,
+    each within one whole torus ring, and the compiled program's collectives cost less."""
+    from trainer.parallel import mesh as mesh_lib
+
+    devices = tpu_devices("v5p:4x4x8")
+    config = flash_lm(
+        **{
+            "optimizer.update_sharding": "per_layer",
+            "global_batch_size": 128,
+            "model.emb_dim": 1024,  # 8 rows a chip: a TPU tile's, as collectives needs
+            "model.mlp_dim": 4096,
+            "model.num_heads": 8,
+            "model.num_kv_heads": 8,
+            "model.head_dim": 128,
+        }
+    )
+    programs = []
+    rings = compiled_lib.analyze(config, devices, twins=False, on_program=programs.append)
+    mesh = mesh_lib.make_mesh(dict(config.mesh.axes), devices=devices)
+    assert mesh_lib.data_rings(mesh) == (4, 4, 8)
+    chips = [d.coords[:3] for d in mesh.devices.flat]  # partition id -> chip
+
+    def in_layers(kind):  # in the layers' scan, inside the K-step loop
+        every = hlo.collectives(programs[-1], len(devices))
+        return [c for c in every if c.loop_depth == 2 and c.kind == kind]
+
+    def whole_slice_all_reduces():  # of at least a layer's smallest gathered weight
+        smallest = min(c.result_bytes for c in in_layers("all-gather") if c.dtype == "bf16")
+        return [
+            c
+            for c in in_layers("all-reduce")
+            if c.group_size == len(devices) and c.result_bytes >= smallest
+        ]
+
+    scatters = in_layers("reduce-scatter")
+    assert {c.group_size for c in scatters} == {4, 8}
+    for c in scatters:  # one whole torus ring: 4 chips along x or y, or 8 along z
+        where = [chips[p] for p in c.group]
+        varies = [i for i in range(3) if len({w[i] for w in where}) > 1]
+        assert len(varies) == 1 and len(where) == (4, 4, 8)[varies[0]], where
+    assert not whole_slice_all_reduces()
+
+    monkeypatch.setattr(mesh_lib, "data_rings", lambda mesh: ())  # one reduce-scatter
+    programs.clear()
+    one = compiled_lib.analyze(config, devices, twins=False, on_program=programs.append)
+    assert whole_slice_all_reduces()  # libtpu's all-reduce of a whole gradient, and a slice
+
+    def collective_s(report):
+        return report["est_step_time_s"]["by_assumption"]["compiler"]["collectives"]
+
+    assert collective_s(rings) < collective_s(one)

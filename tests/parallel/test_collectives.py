@@ -109,3 +109,49 @@ def test_bf16_is_moved_as_its_bits_on_cpu_and_as_a_float_on_tpu(kind):
     # A TPU compiles the float's collectives as they are.
     tpu = mesh_lib.make_mesh({"data": -1}, devices=tpu_devices("v5e:2x2"))
     assert not collectives.gathers_bits(tpu)
+
+
+@pytest.mark.parametrize("rings", [(2, 4), (4, 2), (2, 2, 2)])
+def test_a_reduce_scatter_ring_by_ring_keeps_each_devices_block(rings):
+    """collectives.reduce_scatter over the data axis taken as rings (the slowest first):
+    device d ends with block d of the sum over every device, as one psum_scatter
+    gives, and its gradient through collectives.gather is that sum too; a block of
+    fewer than 8 rows (a TPU tile's, which libtpu cannot scatter ring by ring) in one
+    reduce-scatter."""
+    mesh = mesh_lib.make_mesh({"data": 8, "model": 1})
+    rng = np.random.default_rng(0)
+
+    def scatter(rows):
+        return jax.jit(
+            jax.shard_map(
+                lambda v: collectives.reduce_scatter(v[0], 0, rings)[None],
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P("data"),
+                check_vma=False,
+            )
+        )
+
+    for rows, steps in ((64, sorted(rings)), (32, [8])):  # 8 rows a device, then 4
+        x = rng.normal(size=(8, rows, 3)).astype(np.float32)  # each device's [rows, 3]
+        np.testing.assert_allclose(
+            np.asarray(scatter(rows)(x)).reshape(rows, 3), x.sum(0), rtol=1e-6, atol=1e-6
+        )
+        # One reduce-scatter a ring, each within groups of that ring's size.
+        text = scatter(rows).lower(x).compile().as_text()
+        sizes = [c.group_size for c in hlo.collectives(text, 8) if c.kind == "reduce-scatter"]
+        assert sorted(sizes) == steps
+
+    lay = LeafLayout((64, 3), ((), ()), sharded=True, start=0, stop=1)
+    gather = collectives.gather(lay, jnp.float32, jnp.float32, jnp.float32, False, rings=rings)
+    cotangent = rng.normal(size=(8, 64, 3)).astype(np.float32)  # each replica's
+
+    def grad(shard, ct):
+        return jax.vjp(gather, shard)[1](ct[0])[0]
+
+    got = jax.jit(
+        jax.shard_map(
+            grad, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+        )
+    )(np.zeros((64, 3), np.float32), cotangent)
+    np.testing.assert_allclose(np.asarray(got), cotangent.sum(0), rtol=1e-6, atol=1e-6)

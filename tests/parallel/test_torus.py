@@ -170,3 +170,34 @@ def test_libtpu_multislice_topologies_keep_groups_inside_slices():
     said = mesh_lib.describe_groups(mesh, num_slices=2)
     assert said.startswith("group = torus row ") and "wraps" in said
     assert said.endswith("in each of 2 slices (DCN between them)")
+
+
+@pytest.mark.parametrize(
+    "slice_, kind, axes, group, rings",
+    [
+        ((16, 16, 1, 1), "TPU v5 lite", {"data": -1}, 0, (16, 16)),  # a whole v5e-256
+        ((32, 32, 1, 2), "TPU v3", {"data": -1}, 0, (64, 32)),  # the cores join x's ring
+        ((4, 4, 4, 1), "TPU v5", {"data": -1}, 0, (4, 4, 4)),
+        ((4, 8, 1, 1), "TPU v5 lite", {"data": -1}, 0, ()),  # lines, not rings: one step
+        ((8, 16, 1, 1), "TPU v5 lite", {"data": -1}, 0, ()),  # x a line
+        ((32, 32, 1, 2), "TPU v3", {"data": -1}, 64, ()),  # groups of a row: one ring
+        ((16, 16, 1, 1), "TPU v5 lite", {"data": -1}, 128, ()),  # half the slice
+        ((4, 4, 4, 1), "TPU v5", {"data": -1, "model": 4}, 0, ()),  # data: part of it
+    ],
+)
+def test_the_data_axis_is_scattered_ring_by_ring_only_over_a_whole_slice(
+    slice_, kind, axes, group, rings
+):
+    """mesh.data_rings: where a group of the data axis is a whole slice of two or more
+    dimensions, each closed by wrap-around links, the sizes of its torus rings, fastest
+    first; the devices of each ring differ only along that torus dimension."""
+    x, y, z, cores = slice_
+    mesh = mesh_lib.make_mesh(axes, shard_group_size=group, devices=fake(x, y, z, cores, kind))
+    assert mesh_lib.data_rings(mesh) == rings
+    if rings:
+        line = list(mesh.devices.reshape(-1))
+        # Data index d = i0 + r0 * (i1 + r1 * i2): device d and d + r0 differ in y alone.
+        first, second = line[0], line[rings[0]]
+        assert second.coords[0] == first.coords[0] and second.coords[1] == first.coords[1] + 1
+        assert {d.coords[1] for d in line[: rings[0]]} == {0}  # the first ring: x (and cores)
+    assert mesh_lib.data_rings(mesh_lib.make_mesh({"data": -1})) == ()  # CPU: no torus

@@ -10,6 +10,7 @@ table's rows that leaves the table sharded.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -67,9 +68,33 @@ def all_to_all(x: jax.Array, split: int, concat: int, *, bits: bool = False) -> 
     return jax.lax.bitcast_convert_type(traded, x.dtype)
 
 
-def reduce_scatter(x: jax.Array, dim: int) -> jax.Array:
-    """``x`` summed over ``data``, this device's block of ``dim`` kept."""
-    return jax.lax.psum_scatter(x, mesh_lib.DATA_AXIS, scatter_dimension=dim, tiled=True)
+# The rows of a TPU tile (8, 128). libtpu 0.0.52 refuses a reduce-scatter within a ring
+# that leaves a device fewer ("AllReduceScatterFusion not implemented for 2nd-minor
+# compaction": the tiny LM's d-512 weights over v5e:8x16, 4 rows a device); 20 rows
+# (the 16B's d 5120 over 256 chips) compile. Its all-reduce has no such limit.
+_TILE_ROWS = 8
+
+
+def reduce_scatter(x: jax.Array, dim: int, rings: tuple[int, ...] = ()) -> jax.Array:
+    """``x`` summed over ``data``, this device's block of ``dim`` kept.
+
+    With ``rings`` (:func:`trainer.parallel.mesh.data_rings`: the sizes of the torus
+    rings ``data`` spans, fastest first) it is summed along one ring after another,
+    the slowest first, each a reduce-scatter within the groups of ``data`` that differ
+    only along that ring: the same blocks in the same places (device ``d`` keeps block
+    ``d``), in the order libtpu keeps a true reduce-scatter, where over the whole
+    slice at once it runs an all-reduce of the whole buffer (twice the bytes).
+    """
+    n = math.prod(rings)
+    if len(rings) < 2 or x.shape[dim] // n < _TILE_ROWS:
+        return jax.lax.psum_scatter(x, mesh_lib.DATA_AXIS, scatter_dimension=dim, tiled=True)
+    index = np.arange(n).reshape(rings[::-1])  # slowest ring first
+    for ring in range(len(rings)):
+        groups = np.moveaxis(index, ring, -1).reshape(-1, index.shape[ring]).tolist()
+        x = jax.lax.psum_scatter(
+            x, mesh_lib.DATA_AXIS, scatter_dimension=dim, axis_index_groups=groups, tiled=True
+        )
+    return x
 
 
 def on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
@@ -99,14 +124,17 @@ def gather(
     handed_low: bool = False,
     *,
     bits: bool = False,
+    rings: tuple[int, ...] = (),
 ) -> Callable[[jax.Array], jax.Array]:
     """The local shard of a parameter stored as ``lay`` -> the whole parameter in its
     logical shape and ``dtype`` (``gather_dtype`` where ``handed_low``: see
     :attr:`~trainer.parallel.plan.UpdateShardingPlan.handed_low`), all-gathered in
     ``gather_dtype`` (as its bits where ``bits``: :func:`gathers_bits`); its gradient
-    is reduce-scattered in ``reduce_dtype`` into the shard (and summed over the
-    ``replica`` axis where sharding is ``partial``), and comes back in ``dtype``."""
+    is reduce-scattered in ``reduce_dtype`` into the shard (ring by ring where
+    ``rings``: :func:`reduce_scatter`; and summed over the ``replica`` axis where
+    sharding is ``partial``), and comes back in ``dtype``."""
     gather_all = functools.partial(all_gather, bits=bits)
+    scatter = functools.partial(reduce_scatter, rings=rings)
 
     @jax.custom_vjp
     def gathered(shard):
@@ -118,7 +146,7 @@ def gather(
 
     def backward(_, grad):
         grad = lay.to_stored(grad).astype(reduce_dtype)
-        grad = on_major_dim(reduce_scatter, grad, lay.dim)
+        grad = on_major_dim(scatter, grad, lay.dim)
         if partial:
             grad = jax.lax.psum(grad, mesh_lib.REPLICA_AXIS)
         return (grad.astype(dtype),)

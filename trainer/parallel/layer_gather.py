@@ -121,6 +121,7 @@ def losses(
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
     bits = collectives.gathers_bits(mesh)
+    rings = mesh_lib.data_rings(mesh)
     # Leaf index -> the module that looks rows up in it, for the tables kept sharded.
     modules = [name.partition("/")[0] for name in names]
     looked_up = {
@@ -133,7 +134,14 @@ def losses(
         # Leaf i's gather (lay: its layout, or a layer's slice of it).
         gather_dtype = plan.gather_dtype if low[i] else dtype
         return collectives.gather(
-            lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i], bits=bits
+            lay,
+            dtype,
+            gather_dtype,
+            plan.reduce_dtype,
+            partial,
+            handed_low[i],
+            bits=bits,
+            rings=rings,
         )
 
     def transforms(dtypes) -> dict[str, Callable]:

@@ -220,6 +220,19 @@ def describe_groups(mesh: Mesh, num_slices: int = 1) -> str:
     return f"{text}; in each of {num_slices} {what} (DCN between them)"
 
 
+def data_rings(mesh: Mesh) -> tuple[int, ...]:
+    """The torus rings a group of the ``data`` axis spans, fastest first, where it is a
+    whole slice of two dimensions or more, each closed into a ring
+    (:func:`trainer.parallel.torus.rings`): the steps
+    :func:`trainer.parallel.collectives.reduce_scatter` takes. () elsewhere, and off
+    TPU."""
+    axis = mesh.axis_names.index(DATA_AXIS)
+    group = list(np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.shape[DATA_AXIS])[0])
+    where = getattr(group[0], "slice_index", 0)
+    one_slice = [d for d in mesh.devices.flat if getattr(d, "slice_index", 0) == where]
+    return torus.rings(group, one_slice)
+
+
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes a batch is split over: ``replica`` (if any) and ``data``."""
     return tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in mesh.axis_names)

@@ -278,13 +278,16 @@ class UpdateShardingPlan:
         out_dtypes = treedef.flatten_up_to(dtypes)
         data_axes = mesh_lib.data_axes(self.mesh)
         partial = self.mesh.shape.get(mesh_lib.REPLICA_AXIS, 1) > 1
+        scatter = functools.partial(
+            collectives.reduce_scatter, rings=mesh_lib.data_rings(self.mesh)
+        )
 
         def body(*leaves):
             out = []
             for lay, g, dtype in zip(layouts, leaves, out_dtypes, strict=True):
                 g = lay.to_stored(g[0]).astype(self.reduce_dtype)  # this replica's gradient
                 if lay.sharded:
-                    g = collectives.on_major_dim(collectives.reduce_scatter, g, lay.dim)
+                    g = collectives.on_major_dim(scatter, g, lay.dim)
                     if partial:
                         g = jax.lax.psum(g, mesh_lib.REPLICA_AXIS)
                 else:
