@@ -133,16 +133,8 @@ def losses(
     def gather_of(i, lay, dtype):
         # Leaf i's gather (lay: its layout, or a layer's slice of it).
         gather_dtype = plan.gather_dtype if low[i] else dtype
-        return collectives.gather(
-            lay,
-            dtype,
-            gather_dtype,
-            plan.reduce_dtype,
-            partial,
-            handed_low[i],
-            bits=bits,
-            rings=rings,
-        )
+        reduced = (plan.reduce_dtype, partial, handed_low[i])
+        return collectives.gather(lay, dtype, gather_dtype, *reduced, bits=bits, rings=rings)
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
