@@ -155,3 +155,24 @@ def test_a_reduce_scatter_ring_by_ring_keeps_each_devices_block(rings):
         )
     )(np.zeros((64, 3), np.float32), cotangent)
     np.testing.assert_allclose(np.asarray(got), cotangent.sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_reduce_scatter_ring_by_ring_stays_within_each_replica_group():
+    """Ring by ring with another mesh axis beside ``data`` (``replica``: the slices of a
+    multislice run, whose data axis is each a whole slice): the groups index ``data``
+    alone, so each replica's devices sum only their own gradients."""
+    mesh = mesh_lib.make_mesh({"data": 8, "model": 1}, shard_group_size=4)
+    assert dict(mesh.shape) == {"replica": 2, "data": 4, "model": 1}
+    x = np.random.default_rng(1).normal(size=(2, 4, 32, 3)).astype(np.float32)
+    scattered = jax.jit(
+        jax.shard_map(
+            lambda v: collectives.reduce_scatter(v[0, 0], 0, (2, 2))[None, None],
+            mesh=mesh,
+            in_specs=P("replica", "data"),
+            out_specs=P("replica", "data"),
+            check_vma=False,
+        )
+    )
+    out = np.asarray(scattered(x))
+    for r in range(2):
+        np.testing.assert_allclose(out[r].reshape(32, 3), x[r].sum(0), rtol=1e-6, atol=1e-6)
