@@ -100,6 +100,7 @@ def test_cpu_devices_keep_their_order():
     assert mesh_lib.describe_groups(mesh) == (
         "group = 4 cpu devices in device order (no torus); 2 groups"
     )
+    assert mesh_lib.data_rings(mesh_lib.make_mesh({"data": -1})) == ()  # no torus, no rings
 
 
 def test_libtpu_topologies_as_the_hardware_is():
@@ -200,4 +201,3 @@ def test_the_data_axis_is_scattered_ring_by_ring_only_over_a_whole_slice(
         first, second = line[0], line[rings[0]]
         assert second.coords[0] == first.coords[0] and second.coords[1] == first.coords[1] + 1
         assert {d.coords[1] for d in line[: rings[0]]} == {0}  # the first ring: x (and cores)
-    assert mesh_lib.data_rings(mesh_lib.make_mesh({"data": -1})) == ()  # CPU: no torus

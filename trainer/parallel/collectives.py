@@ -79,11 +79,10 @@ def reduce_scatter(x: jax.Array, dim: int, rings: tuple[int, ...] = ()) -> jax.A
     """``x`` summed over ``data``, this device's block of ``dim`` kept.
 
     With ``rings`` (:func:`trainer.parallel.mesh.data_rings`: the sizes of the torus
-    rings ``data`` spans, fastest first) it is summed along one ring after another,
-    the slowest first, each a reduce-scatter within the groups of ``data`` that differ
-    only along that ring: the same blocks in the same places (device ``d`` keeps block
-    ``d``), in the order libtpu keeps a true reduce-scatter, where over the whole
-    slice at once it runs an all-reduce of the whole buffer (twice the bytes).
+    rings ``data`` spans, fastest first; why, :func:`trainer.parallel.torus.rings`) it
+    is summed along one ring after another, the slowest first, each a reduce-scatter
+    within the groups of ``data`` that differ only along that ring: device ``d`` still
+    keeps block ``d``.
     """
     n = math.prod(rings)
     if len(rings) < 2 or x.shape[dim] // n < _TILE_ROWS:

@@ -32,6 +32,7 @@ the model's dots alike, and XLA:CPU's fast matmuls for both (:func:`_as_batch_of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +122,7 @@ def losses(
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
     bits = collectives.gathers_bits(mesh)
-    rings = mesh_lib.data_rings(mesh)
+    gather = functools.partial(collectives.gather, bits=bits, rings=mesh_lib.data_rings(mesh))
     # Leaf index -> the module that looks rows up in it, for the tables kept sharded.
     modules = [name.partition("/")[0] for name in names]
     looked_up = {
@@ -133,8 +134,7 @@ def losses(
     def gather_of(i, lay, dtype):
         # Leaf i's gather (lay: its layout, or a layer's slice of it).
         gather_dtype = plan.gather_dtype if low[i] else dtype
-        reduced = (plan.reduce_dtype, partial, handed_low[i])
-        return collectives.gather(lay, dtype, gather_dtype, *reduced, bits=bits, rings=rings)
+        return gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
