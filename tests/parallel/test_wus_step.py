@@ -474,6 +474,47 @@ def test_per_layer_with_a_model_axis_left_to_the_compiler():
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
 
 
+def test_per_layer_under_tensor_parallelism_gathers_each_model_shard_by_itself():
+    # data4 x model2, the tiny decoder: per_layer's shard_map is manual over data alone,
+    # and its gathers and reduce-scatters run on each model shard by itself. Were the
+    # model axis left to the partitioner there, it would gather every model-split weight
+    # over the model axis before the gather over data, and each gradient in f32 before
+    # its reduce-scatter (pairs of devices here; v5e-128b did not fit). The MLP's
+    # output kernel and the tied table store data joined with model on one dim, which the
+    # shard_map must see taken apart. One SGD step's gradients against plain data
+    # parallelism.
+    config = llama.get_config("tiny,synthetic")
+    config.model.update(dtype="float32")
+    config.mesh.axes.update(data=4, model=2)
+    config.optimizer.update(
+        name="sgd",
+        update_sharding="per_layer",
+        clip_norm=0.0,
+        warmup_steps=0,
+        learning_rate=1.0,
+        weight_decay=0.0,
+        schedule="constant",
+    )
+    before, state, batches, exp, _ = run(config, steps=1)
+    joined = {
+        rules_lib.param_name(path): lay.stored_spec()
+        for path, lay in jax.tree_util.tree_leaves_with_path(exp.plan.layouts, is_leaf=us.is_layout)
+        if lay.sharded and lay.spec[lay.dim]
+    }
+    assert joined == {
+        "layers/mlp/down": PartitionSpec(None, ("model", "data"), None),
+        "token_embedding/embedding": PartitionSpec(("model", "data"), None),
+    }
+    found = hlo.collectives(experiment.compile_loop(exp, 1).as_text(), 8)
+    moved = [(c.kind, c.group_size) for c in found if c.kind in ("all-gather", "reduce-scatter")]
+    assert {kind for kind, _ in moved} == {"all-gather", "reduce-scatter"}
+    assert {size for _, size in moved} == {4}  # over data only
+    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
+    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
+    assert_close(got, want, 2e-7, "per_layer, data4 x model2, grads")
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 5e-3
+
+
 def _unfused_dots(hlo_text: str) -> list[str]:
     """The dots of an optimized XLA:CPU program that no YNNPACK fusion runs."""
     parsed = {

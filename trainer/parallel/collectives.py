@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel.layout import LeafLayout
@@ -114,6 +114,28 @@ def on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
     return out.reshape(lead + out.shape)
 
 
+def _per_model_shard(collective: Callable, spec: PartitionSpec) -> Callable:
+    """``collective`` (over the data axes) run on each model shard by itself, where
+    ``spec`` (an array's model axes) names any: a ``shard_map`` manual over them too.
+
+    Inside a ``shard_map`` manual over the data axes alone, XLA's partitioner
+    all-gathers a collective's operand over the model axes it is split on before the
+    collective: every tensor-parallel weight would be gathered whole on each chip, and
+    its f32 gradient too (tests/parallel/test_wus_step.py reads the program).
+    """
+    axes = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    if not axes:
+        return collective
+
+    def run(x):
+        mesh = jax.sharding.get_abstract_mesh()  # the enclosing shard_map's
+        return jax.shard_map(
+            collective, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=axes, check_vma=False
+        )(x)
+
+    return run
+
+
 def gather(
     lay: LeafLayout,
     dtype,
@@ -132,20 +154,24 @@ def gather(
     is reduce-scattered in ``reduce_dtype`` into the shard (ring by ring where
     ``rings``: :func:`reduce_scatter`; and summed over the ``replica`` axis where
     sharding is ``partial``), and comes back in ``dtype``."""
-    gather_all = functools.partial(all_gather, bits=bits)
-    scatter = functools.partial(reduce_scatter, rings=rings)
+    model = lay.stored_spec(gathered=True)
+    gather_all = _per_model_shard(
+        lambda x: on_major_dim(functools.partial(all_gather, bits=bits), x, lay.dim), model
+    )
+    scatter = _per_model_shard(
+        lambda x: on_major_dim(functools.partial(reduce_scatter, rings=rings), x, lay.dim), model
+    )
 
     @jax.custom_vjp
     def gathered(shard):
-        whole = on_major_dim(gather_all, shard.astype(gather_dtype), lay.dim)
+        whole = gather_all(shard.astype(gather_dtype))
         return lay.to_logical(whole).astype(gather_dtype if handed_low else dtype)
 
     def forward(shard):
         return gathered(shard), None
 
     def backward(_, grad):
-        grad = lay.to_stored(grad).astype(reduce_dtype)
-        grad = on_major_dim(scatter, grad, lay.dim)
+        grad = scatter(lay.to_stored(grad).astype(reduce_dtype))
         if partial:
             grad = jax.lax.psum(grad, mesh_lib.REPLICA_AXIS)
         return (grad.astype(dtype),)

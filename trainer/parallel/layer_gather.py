@@ -39,9 +39,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import traverse_util
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer.parallel import collectives
+from trainer.parallel import collectives, layout
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel.layout import LeafLayout
 from trainer.parallel.rules import param_name
@@ -131,17 +131,24 @@ def losses(
         if module in lookup_tables and collectives.lookup_eligible(lay, replicas)
     }
 
-    def gather_of(i, lay, dtype):
-        # Leaf i's gather (lay: its layout, or a layer's slice of it).
+    # What the shard_map sees: a dim that data joins model axes on, split in two.
+    apart = [lay.model_apart(mesh.shape) for lay in layouts]
+
+    def gather_of(i, dtype, layer=False):
+        # Leaf i's gather (of a layer's slice where ``layer``), in its logical shape.
+        lay, shape = apart[i], layouts[i].shape
+        if layer:
+            lay, shape = lay.in_layer(), shape[1:]
         gather_dtype = plan.gather_dtype if low[i] else dtype
-        return gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
+        fn = gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
+        return fn if lay.shape == shape else lambda x: layout.joined(fn(x), lay.dim)
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
         per_stack: dict[str, dict[str, Callable]] = {}
-        for i, lay in enumerate(layouts):
+        for i in range(len(layouts)):
             if in_layer[i]:
-                fn = gather_of(i, lay.in_layer(), dtypes[i])
+                fn = gather_of(i, dtypes[i], layer=True)
                 stack, _, rest = names[i].partition("/")
                 per_stack.setdefault(stack_of[i], {})[rest] = fn
 
@@ -159,7 +166,7 @@ def losses(
             if in_layer[i] or i in looked_up:
                 weights.append(x)  # the layers' bodies gather their slices; lookups read it
             elif lay.sharded:
-                weights.append(gather_of(i, lay, x.dtype)(x))
+                weights.append(gather_of(i, x.dtype)(x))
             else:  # replicated: the shard_map's transpose sums its gradient over data
                 weights.append(x)
         params = jax.tree.unflatten(treedef, weights)
@@ -187,9 +194,18 @@ def losses(
     # nothing, is no reason to leave kernels to the partitioner (a Pallas kernel
     # cannot be partitioned automatically).
     manual = frozenset(data) | {a for a, n in mesh.shape.items() if n == 1}
-    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in layouts)
+    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in apart)
 
     def run(stored, model_state, rows, rngs, weight):
+        leaves = [
+            x
+            if split is lay
+            else jax.lax.with_sharding_constraint(  # moves nothing
+                layout.apart(x, lay.dim, split.shape[lay.dim + 1]),
+                NamedSharding(mesh, split.stored_spec()),
+            )
+            for x, split, lay in zip(treedef.flatten_up_to(stored), apart, layouts, strict=True)
+        ]
         loss, aux = jax.shard_map(
             body,
             mesh=mesh,
@@ -198,7 +214,7 @@ def losses(
             axis_names=manual,
             # Our collectives' gradients are explicit (custom_vjp): no implicit psums.
             check_vma=False,
-        )(tuple(treedef.flatten_up_to(stored)), model_state, rows, rngs, weight)
+        )(tuple(leaves), model_state, rows, rngs, weight)
         return loss.sum(), aux
 
     return run

@@ -154,6 +154,31 @@ class LeafLayout:
             how = f"dim {self.dim}"
         return f"{how} -> {self.stored_shape} over data, pad {self.pad} ({self.padding:.1%})"
 
+    def model_apart(self, axis_sizes: Mapping[str, int]) -> LeafLayout:
+        """This layout with its sharded dim taken apart where ``data`` joins model
+        axes on it: ``[..., rows, ...]`` as ``[..., rows / m, m, ...]``, ``data``
+        alone on the first, the model axes (``m`` ways) on the second
+        (:func:`apart`, :func:`joined`); itself elsewhere.
+
+        The same bytes on the same devices: each device's block is contiguous in
+        both (the joined dim is split model-major, and on a device the model dim is
+        1 long, so the swap moves nothing). But a ``shard_map`` manual over the data
+        axes alone can name this split, where it would read the joined dim as split
+        data-major and have the partitioner move the whole tensor to match; and
+        ``data``'s dim comes before the model's, so a reduce-scatter on it is one on
+        the major dim.
+        """
+        model = self.spec[self.dim] if self.sharded and self.stop - self.start == 1 else ()
+        if not model:
+            return self
+        m = math.prod(axis_sizes[a] for a in model)
+        d = self.dim
+        return dataclasses.replace(
+            self,
+            shape=self.shape[:d] + (self.shape[d] // m, m) + self.shape[d + 1 :],
+            spec=self.spec[:d] + ((), model) + self.spec[d + 1 :],
+        )
+
     def in_layer(self) -> LeafLayout:
         """The layout of one layer's slice of this stack of layers (dim 0 dropped):
         a stack laid out with ``first=1`` stores each layer's slice alike."""
@@ -227,6 +252,19 @@ class LeafLayout:
         x = jax.lax.slice_in_dim(x, 0, self._rows, axis=b + self.dim)
         merged = self.shape[self.start : self.stop]
         return x.reshape(x.shape[: b + self.start] + merged + x.shape[b + self.stop :])
+
+
+def apart(x: jax.Array, dim: int, m: int) -> jax.Array:
+    """Dim ``dim`` of ``x`` as two, ``[rows / m, m]``, taken model-major
+    (:meth:`LeafLayout.model_apart`)."""
+    x = x.reshape(x.shape[:dim] + (m, x.shape[dim] // m) + x.shape[dim + 1 :])
+    return jnp.swapaxes(x, dim, dim + 1)
+
+
+def joined(x: jax.Array, dim: int) -> jax.Array:
+    """Dims ``dim`` and ``dim + 1`` of ``x``, taken apart by :func:`apart`, as one."""
+    x = jnp.swapaxes(x, dim, dim + 1)
+    return x.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 2 :])
 
 
 def _entry(axes: Axes):
