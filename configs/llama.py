@@ -214,6 +214,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         ("batch", "data"),
         ("vocab", "model"),
         ("embed", None),
+        ("activation_embed", None),  # the residual stream's features (models/decoder.py)
         ("mlp", "model"),
         ("heads", "model"),
         ("kv_heads", "model"),

@@ -139,6 +139,14 @@ def get_config(variant: str = "v5e-32b") -> ml_collections.ConfigDict:
     config.global_batch_size = rows * chips * slices
     config.mesh.axes = ml_collections.ConfigDict({"data": -1, "model": tensor})
     config.mesh.dcn_axes = ml_collections.ConfigDict({"data": slices, "model": 1})
+    if tensor > 1:
+        # MaxText's rules split the residual stream's features over its tensor axis
+        # (activation_embed -> tensor): each chip keeps 1/tensor of every layer's
+        # input for the backward pass (the 128B's: 40 GiB a chip whole).
+        config.mesh.rules = tuple(
+            (name, "model" if name == "activation_embed" else axis)
+            for name, axis in config.mesh.rules
+        )
     # MaxText's AdamW (base.yml of the time): b2 0.95, eps 1e-8, weight decay 0.1, clip 1.
     config.optimizer.update(eps=1e-8)
     config.optimizer.update_sharding = "per_layer"

@@ -36,7 +36,10 @@ from models.kv_cache import cached_block
 from models.layers import Embedding, RMSNorm, attention, named
 
 Array = jax.Array
-_EMBED_ACT = ("batch", "length", "embed")
+# The residual stream's features have their own logical name (MaxText's
+# activation_embed): a run may split them over the model axis where the weights'
+# embed dims stay whole (configs/maxtext.py, as MaxText's tensor-parallel runs did).
+_EMBED_ACT = ("batch", "length", "activation_embed")
 
 
 @dataclasses.dataclass(frozen=True)
