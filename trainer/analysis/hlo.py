@@ -395,23 +395,60 @@ class Loops:
 def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
     """The trip count of the ``while`` instruction on ``line``: its ``known_trip_count``
     (XLA prints it in an optimized program's ``backend_config``), else read from its
-    condition, where a scan's is ``counter < N`` with the counter from 0 by 1
-    (``compare(..., constant(N)), direction=LT``: the only integer constant there)."""
+    condition and body, where a counter from 0 is compared ``counter < N``
+    (``compare(..., constant(N)), direction=LT``: the only integer constant there) and
+    the body adds a constant step to it: 1 in a scan (s32); 2 in the TPU partitioner's
+    windowed einsum loops (u32), each trip of which computes two of the matmul's
+    blocks. That the counter starts at 0 is assumed (the while's operand is a copy)."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
     if known:
         return int(known.group(1))
     condition = re.search(r"condition=%?([\w.\-]+)", line)
     lines = bodies.get(condition.group(1), []) if condition else []
-    constants = [
-        int(m.group(1))
-        for text in lines
-        for m in [re.search(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)", text)]
-        if m
-    ]
+    constants = [int(m.group(1)) for text in lines if (m := _INT_CONSTANT.search(text))]
     compares = [text for text in lines if " compare(" in text and "direction=LT" in text]
-    if len(set(constants)) == 1 and len(compares) == 1:
-        return constants[0]
+    if len(set(constants)) != 1 or len(compares) != 1:
+        return None
+    counter = _counter_index(lines, compares[0])
+    body = re.search(r"body=%?([\w.\-]+)", line)
+    step = _counter_step(bodies.get(body.group(1), []) if body else [], counter)
+    return -(-constants[0] // step)
+
+
+_INT_CONSTANT = re.compile(r"= [su]32\[\](?:\{[^}]*\})? constant\((\d+)\)")
+
+
+def _counter_index(lines: list[str], compare: str) -> int | None:
+    """The tuple index of the loop counter a condition's ``compare`` reads."""
+    operands = re.search(r"compare\(%?([\w.\-]+)", compare)
+    for text in lines:
+        if operands and instruction_name(text) == operands.group(1):
+            index = re.search(r"get-tuple-element\(.*\), index=(\d+)", text)
+            return int(index.group(1)) if index else None
     return None
+
+
+def _counter_step(lines: list[str], counter: int | None) -> int:
+    """What a loop body adds to its counter (tuple element ``counter``) each trip: the
+    constant of the ``add`` its root tuple returns there (1 where it is no such add)."""
+    root = next((t for t in lines if t.lstrip().startswith("ROOT") and " tuple(" in t), "")
+    operands = re.sub(r"/\*.*?\*/", "", root.partition(" tuple(")[2]).split(",")
+    if counter is None or counter >= len(operands):
+        return 1
+    by_name = {instruction_name(t): t for t in lines}
+    add = re.search(
+        r" add\(%?([\w.\-]+), %?([\w.\-]+)\)", by_name.get(_name(operands[counter]), "")
+    )
+    for operand in add.groups() if add else ():
+        constant = _INT_CONSTANT.search(by_name.get(operand, ""))
+        if constant and int(constant.group(1)) > 0:
+            return int(constant.group(1))
+    return 1
+
+
+def _name(operand: str) -> str:
+    """An operand's instruction name (`` %add.3)`` -> ``add.3``)."""
+    return operand.strip().rstrip(")").strip().lstrip("%")
 
 
 def loops(bodies: dict[str, list[str]]) -> Loops:
