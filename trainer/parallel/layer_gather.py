@@ -88,6 +88,26 @@ def _as_batch_of_one(loss: Callable, params, rows, rngs):
     return jax.vmap(loss)(jax.tree.map(lambda x: x[None], params), rows, rngs)
 
 
+def _taken_apart(mesh, layouts: list[LeafLayout]) -> tuple[list[LeafLayout], Callable]:
+    """The layouts the replicas' ``shard_map`` sees, each dim that data joins model axes
+    on taken apart (:meth:`~trainer.parallel.layout.LeafLayout.model_apart`), and the
+    function from the stored leaves to them."""
+    apart = [lay.model_apart(mesh.shape) for lay in layouts]
+
+    def leaves(stored: list[jax.Array]) -> list[jax.Array]:
+        return [
+            x
+            if split is lay
+            else jax.lax.with_sharding_constraint(  # moves nothing
+                layout.apart(x, lay.dim, split.shape[lay.dim + 1]),
+                NamedSharding(mesh, split.stored_spec()),
+            )
+            for x, split, lay in zip(stored, apart, layouts, strict=True)
+        ]
+
+    return apart, leaves
+
+
 def losses(
     plan, replica_loss: Callable, stacks: Any, lookup_tables: tuple[str, ...] = ()
 ) -> Callable:
@@ -131,17 +151,14 @@ def losses(
         if module in lookup_tables and collectives.lookup_eligible(lay, replicas)
     }
 
-    # What the shard_map sees: a dim that data joins model axes on, split in two.
-    apart = [lay.model_apart(mesh.shape) for lay in layouts]
+    apart, taken_apart = _taken_apart(mesh, layouts)
 
     def gather_of(i, dtype, layer=False):
         # Leaf i's gather (of a layer's slice where ``layer``), in its logical shape.
-        lay, shape = apart[i], layouts[i].shape
-        if layer:
-            lay, shape = lay.in_layer(), shape[1:]
+        lay = apart[i].in_layer() if layer else apart[i]
         gather_dtype = plan.gather_dtype if low[i] else dtype
         fn = gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
-        return fn if lay.shape == shape else lambda x: layout.joined(fn(x), lay.dim)
+        return fn if apart[i] is layouts[i] else lambda x: layout.joined(fn(x), lay.dim)
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
@@ -197,15 +214,7 @@ def losses(
     stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in apart)
 
     def run(stored, model_state, rows, rngs, weight):
-        leaves = [
-            x
-            if split is lay
-            else jax.lax.with_sharding_constraint(  # moves nothing
-                layout.apart(x, lay.dim, split.shape[lay.dim + 1]),
-                NamedSharding(mesh, split.stored_spec()),
-            )
-            for x, split, lay in zip(treedef.flatten_up_to(stored), apart, layouts, strict=True)
-        ]
+        leaves = taken_apart(treedef.flatten_up_to(stored))
         loss, aux = jax.shard_map(
             body,
             mesh=mesh,
