@@ -21,7 +21,10 @@ moves the rows looked up instead of the table (500 MiB a chip for a 32,000 x 8,1
 table in bf16) and its gradient.
 
 The replicas run in a ``shard_map`` over the data axes (the model axis, if any, left
-to the compiler), where the collectives are explicit and their gradients are ours:
+to the compiler, but for the gathers and reduce-scatters, which run on each model
+shard by itself: :func:`trainer.parallel.collectives.gather`; a dim that data joins
+model axes on is taken apart for it, :meth:`~trainer.parallel.layout.LeafLayout.model_apart`),
+where the collectives are explicit and their gradients are ours:
 each gather is a ``custom_vjp`` whose backward pass is the reduce-scatter, so the
 numbers are the same as ``wus``'s: the same bf16 roundings, the same f32 sums
 (``tests/tasks/test_language_model.py``); a replicated parameter's gradient is
