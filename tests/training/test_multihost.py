@@ -101,7 +101,8 @@ def test_process_counts_give_the_same_losses(two_process_run, one_process_run):
 @pytest.mark.slow
 def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
     # The decoder on its own text (tokenized per process, rows in one global order),
-    # with per-layer gathering: 2 processes x 4 devices against 1 x 8.
+    # with per-layer gathering under tensor parallelism (data 4 x model 2: each layer's
+    # gather on each model shard by itself): 2 processes x 4 devices against 1 x 8.
     flags = [
         "--config=configs/llama.py:text",
         f"--config.data.data_dir={tmp_path / 'data'}",
@@ -113,12 +114,14 @@ def test_a_language_model_trains_the_same_on_two_processes_as_on_one(tmp_path):
         "--config.checkpoint_every_steps=20",
         "--config.data.num_eval_rows=16",
         "--config.optimizer.update_sharding=per_layer",
+        "--config.mesh.axes.model=2",
     ]
     command = [sys.executable, "-m", "trainer", "--cpu_devices=8"]
     one = run_command([*command, f"--workdir={tmp_path / 'one'}", *flags], timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     two = launch_flags(2, [f"--workdir={tmp_path / 'two'}", *flags])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "mesh {'replica': 1, 'data': 4, 'model': 2}" in two.stdout + two.stderr
     assert_same_falling_losses(losses(tmp_path / "one"), losses(tmp_path / "two"), [10, 20])
     evals = {}
     for n, name in ((1, "one"), (2, "two")):
