@@ -404,51 +404,44 @@ def trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
     if known:
         return int(known.group(1))
     condition = re.search(r"condition=%?([\w.\-]+)", line)
-    lines = bodies.get(condition.group(1), []) if condition else []
-    constants = [int(m.group(1)) for text in lines if (m := _INT_CONSTANT.search(text))]
-    compares = [text for text in lines if " compare(" in text and "direction=LT" in text]
+    cond = _by_name(bodies.get(condition.group(1), []) if condition else [])
+    constants = [v for v in map(_int_constant, cond.values()) if v is not None]
+    compares = [c for c in cond.values() if c.opcode == "compare" and "direction=LT" in c.rest]
     if len(set(constants)) != 1 or len(compares) != 1:
         return None
-    counter = _counter_index(lines, compares[0])
+    # The counter: the tuple element the compare reads.
+    read = cond.get(next(iter(operands(compares[0].rest)), ""))
+    index = re.search(r"index=(\d+)", read.rest) if read else None
     body = re.search(r"body=%?([\w.\-]+)", line)
-    step = _counter_step(bodies.get(body.group(1), []) if body else [], counter)
+    step = _counter_step(bodies.get(body.group(1), []) if body else [], index and int(index[1]))
     return -(-constants[0] // step)
 
 
-_INT_CONSTANT = re.compile(r"= [su]32\[\](?:\{[^}]*\})? constant\((\d+)\)")
+def _by_name(lines: list[str]) -> dict[str, Instruction]:
+    """A computation's instructions (:func:`computations`) by name."""
+    return {i.name: i for i in map(instruction, lines) if i}
 
 
-def _counter_index(lines: list[str], compare: str) -> int | None:
-    """The tuple index of the loop counter a condition's ``compare`` reads."""
-    operands = re.search(r"compare\(%?([\w.\-]+)", compare)
-    for text in lines:
-        if operands and instruction_name(text) == operands.group(1):
-            index = re.search(r"get-tuple-element\(.*\), index=(\d+)", text)
-            return int(index.group(1)) if index else None
-    return None
+def _int_constant(ins: Instruction | None) -> int | None:
+    """The value of a scalar s32 or u32 ``constant``; None for anything else."""
+    if ins is None or ins.opcode != "constant" or not re.match(r"[su]32\[\]", ins.type_text):
+        return None
+    return int(ins.rest.split(")", 1)[0])
 
 
 def _counter_step(lines: list[str], counter: int | None) -> int:
     """What a loop body adds to its counter (tuple element ``counter``) each trip: the
     constant of the ``add`` its root tuple returns there (1 where it is no such add)."""
-    root = next((t for t in lines if t.lstrip().startswith("ROOT") and " tuple(" in t), "")
-    operands = re.sub(r"/\*.*?\*/", "", root.partition(" tuple(")[2]).split(",")
-    if counter is None or counter >= len(operands):
+    root = next((instruction(t) for t in lines if t.lstrip().startswith("ROOT")), None)
+    if counter is None or root is None or root.opcode != "tuple":
         return 1
-    by_name = {instruction_name(t): t for t in lines}
-    add = re.search(
-        r" add\(%?([\w.\-]+), %?([\w.\-]+)\)", by_name.get(_name(operands[counter]), "")
-    )
-    for operand in add.groups() if add else ():
-        constant = _INT_CONSTANT.search(by_name.get(operand, ""))
-        if constant and int(constant.group(1)) > 0:
-            return int(constant.group(1))
-    return 1
-
-
-def _name(operand: str) -> str:
-    """An operand's instruction name (`` %add.3)`` -> ``add.3``)."""
-    return operand.strip().rstrip(")").strip().lstrip("%")
+    returned = operands(root.rest)
+    found = _by_name(lines)
+    add = found.get(returned[counter]) if counter < len(returned) else None
+    if add is None or add.opcode != "add":
+        return 1
+    steps = [_int_constant(found.get(ref)) for ref in operands(add.rest)]
+    return next((v for v in steps if v), 1)
 
 
 def loops(bodies: dict[str, list[str]]) -> Loops:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from trainer.parallel import mesh as mesh_lib
 from trainer.parallel.layout import LeafLayout
@@ -114,18 +114,19 @@ def on_major_dim(collective, x: jax.Array, dim: int) -> jax.Array:
     return out.reshape(lead + out.shape)
 
 
-def _per_model_shard(collective: Callable, spec: PartitionSpec) -> Callable:
-    """``collective`` (over the data axes) run on each model shard by itself, where
-    ``spec`` (an array's model axes) names any: a ``shard_map`` manual over them too.
+def _per_model_shard(collective: Callable, lay: LeafLayout) -> Callable:
+    """``collective`` (over the data axes) of a parameter stored as ``lay``, run on each
+    model shard by itself where model axes split it: a ``shard_map`` manual over them.
 
     Inside a ``shard_map`` manual over the data axes alone, XLA's partitioner
     all-gathers a collective's operand over the model axes it is split on before the
     collective: every tensor-parallel weight would be gathered whole on each chip, and
     its f32 gradient too (tests/parallel/test_wus_step.py reads the program).
     """
-    axes = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    axes = {a for dim_axes in lay.spec for a in dim_axes}
     if not axes:
         return collective
+    spec = lay.stored_spec(gathered=True)  # the model axes alone
 
     def run(x):
         mesh = jax.sharding.get_abstract_mesh()  # the enclosing shard_map's
@@ -154,13 +155,10 @@ def gather(
     is reduce-scattered in ``reduce_dtype`` into the shard (ring by ring where
     ``rings``: :func:`reduce_scatter`; and summed over the ``replica`` axis where
     sharding is ``partial``), and comes back in ``dtype``."""
-    model = lay.stored_spec(gathered=True)
-    gather_all = _per_model_shard(
-        lambda x: on_major_dim(functools.partial(all_gather, bits=bits), x, lay.dim), model
-    )
-    scatter = _per_model_shard(
-        lambda x: on_major_dim(functools.partial(reduce_scatter, rings=rings), x, lay.dim), model
-    )
+    gather_all = functools.partial(all_gather, bits=bits)
+    gather_all = _per_model_shard(functools.partial(on_major_dim, gather_all, dim=lay.dim), lay)
+    scatter = functools.partial(reduce_scatter, rings=rings)
+    scatter = _per_model_shard(functools.partial(on_major_dim, scatter, dim=lay.dim), lay)
 
     @jax.custom_vjp
     def gathered(shard):

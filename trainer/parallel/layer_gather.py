@@ -95,7 +95,7 @@ def _taken_apart(mesh, layouts: list[LeafLayout]) -> tuple[list[LeafLayout], Cal
     """The layouts the replicas' ``shard_map`` sees, each dim that data joins model axes
     on taken apart (:meth:`~trainer.parallel.layout.LeafLayout.model_apart`), and the
     function from the stored leaves to them."""
-    apart = [lay.model_apart(mesh.shape) for lay in layouts]
+    seen = [lay.model_apart(mesh.shape) for lay in layouts]
 
     def leaves(stored: list[jax.Array]) -> list[jax.Array]:
         return [
@@ -105,10 +105,10 @@ def _taken_apart(mesh, layouts: list[LeafLayout]) -> tuple[list[LeafLayout], Cal
                 layout.apart(x, lay.dim, split.shape[lay.dim + 1]),
                 NamedSharding(mesh, split.stored_spec()),
             )
-            for x, split, lay in zip(stored, apart, layouts, strict=True)
+            for x, split, lay in zip(stored, seen, layouts, strict=True)
         ]
 
-    return apart, leaves
+    return seen, leaves
 
 
 def losses(
@@ -154,14 +154,14 @@ def losses(
         if module in lookup_tables and collectives.lookup_eligible(lay, replicas)
     }
 
-    apart, taken_apart = _taken_apart(mesh, layouts)
+    seen, taken_apart = _taken_apart(mesh, layouts)
 
     def gather_of(i, dtype, layer=False):
         # Leaf i's gather (of a layer's slice where ``layer``), in its logical shape.
-        lay = apart[i].in_layer() if layer else apart[i]
+        lay = seen[i].in_layer() if layer else seen[i]
         gather_dtype = plan.gather_dtype if low[i] else dtype
         fn = gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
-        return fn if apart[i] is layouts[i] else lambda x: layout.joined(fn(x), lay.dim)
+        return fn if seen[i] is layouts[i] else lambda x: layout.joined(fn(x), lay.dim)
 
     def transforms(dtypes) -> dict[str, Callable]:
         # Per stack: a layer's params (its slice of this device's shards) -> its weights.
@@ -214,7 +214,7 @@ def losses(
     # nothing, is no reason to leave kernels to the partitioner (a Pallas kernel
     # cannot be partitioned automatically).
     manual = frozenset(data) | {a for a, n in mesh.shape.items() if n == 1}
-    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in apart)
+    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in seen)
 
     def run(stored, model_state, rows, rngs, weight):
         leaves = taken_apart(treedef.flatten_up_to(stored))
