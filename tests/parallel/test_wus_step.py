@@ -515,6 +515,45 @@ def test_per_layer_under_tensor_parallelism_gathers_each_model_shard_by_itself()
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 5e-3
 
 
+@pytest.mark.parametrize(
+    "tied, model",
+    [
+        (True, 1),
+        (False, 1),  # the untied input table stays sharded and is looked up
+        pytest.param(True, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_per_layer_sums_each_gradient_over_the_replicas_once(tied, model):
+    # Update-sharding groups of 2 devices (mesh.replica > 1, as on several slices): each
+    # gradient is reduce-scattered within the group and all-reduced over the replicas.
+    # The replicas' shard_map also summed every sharded leaf's gradient over ``replica``
+    # in its transpose: R times the gradient (4x here), and on two v5p slices an f32
+    # all-reduce of every shard across the DCN. One SGD step against plain data
+    # parallelism.
+    config = llama.get_config("tiny,synthetic")
+    config.model.update(dtype="float32", tie_embeddings=tied)
+    config.mesh.axes.update(data=-1, model=model)
+    config.optimizer.update(
+        name="sgd",
+        update_sharding="per_layer",
+        shard_group_size=2,
+        clip_norm=0.0,
+        warmup_steps=0,
+        learning_rate=1.0,
+        weight_decay=0.0,
+        schedule="constant",
+    )
+    before, state, batches, exp, _ = run(config, steps=1)
+    assert dict(exp.mesh.shape) == {"replica": 4 // model, "data": 2, "model": model}
+    if not tied:
+        text = experiment.compile_loop(exp, 1).as_text()
+        assert "all-to-all" in text  # the table is read by trading its columns
+    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
+    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
+    assert_close(got, want, 2e-7, f"per_layer, groups of 2, model {model}, tied {tied}")
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 5e-3
+
+
 def _unfused_dots(hlo_text: str) -> list[str]:
     """The dots of an optimized XLA:CPU program that no YNNPACK fusion runs."""
     parsed = {

@@ -111,6 +111,54 @@ def _taken_apart(mesh, layouts: list[LeafLayout]) -> tuple[list[LeafLayout], Cal
     return seen, leaves
 
 
+def _one_per_replica(mesh, spec: PartitionSpec) -> Callable:
+    """A leaf stored as ``spec`` (the same on every replica) -> ``[replicas, ...]``, one
+    copy a replica, split over ``replica``: a view that moves nothing, either way.
+
+    Handed to the replicas' ``shard_map`` as it is, a leaf whose spec leaves out
+    ``replica`` has its gradient summed over ``replica`` by the ``shard_map``'s
+    transpose (``check_vma=False``), on top of the sum over ``replica`` that the
+    gathers' reduce-scatters already did (:func:`trainer.parallel.collectives.gather`):
+    the gradient came out ``replicas`` times too large, and a second all-reduce of
+    every shard in f32 crossed the slices after the layers (v5p-32b on two slices:
+    1.9 GiB a chip of the 2.9 over the DCN). Seen as one copy a replica, the leaf's
+    gradient comes back one a replica, each already the sum: the backward pass keeps
+    each device's own, without a transfer.
+    """
+    copies = PartitionSpec(mesh_lib.REPLICA_AXIS, *spec)
+    # Each device's block by itself; an out_spec without ``replica`` is taken on trust
+    # (check_vma=False): the blocks are equal there.
+    local = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    spread = local(lambda x: x[None], in_specs=spec, out_specs=copies)
+    keep_one = local(lambda x: x[0], in_specs=copies, out_specs=spec)
+
+    @jax.custom_vjp
+    def per_replica(x):
+        return spread(x)
+
+    per_replica.defvjp(lambda x: (spread(x), None), lambda _, grad: (keep_one(grad),))
+    return per_replica
+
+
+def _handed(mesh, seen: list[LeafLayout], partial: bool) -> tuple[tuple, list[bool], Callable]:
+    """How the replicas' ``shard_map`` receives the leaves laid out as ``seen``: their
+    in_specs (the data axes only), which it receives one copy a replica (every sharded
+    leaf where the gathers' reduce-scatters sum over ``replica`` themselves:
+    :func:`_one_per_replica`), and the function from the leaves to what it receives."""
+    data = mesh_lib.data_axes(mesh)
+    copied = [partial and lay.sharded for lay in seen]
+    specs, views = [], []
+    for lay, c in zip(seen, copied, strict=True):
+        spec = _data_only(lay.stored_spec(), data)
+        specs.append(PartitionSpec(mesh_lib.REPLICA_AXIS, *spec) if c else spec)
+        views.append(_one_per_replica(mesh, lay.stored_spec()) if c else None)
+
+    def handed(leaves: list[jax.Array]) -> list[jax.Array]:
+        return [view(x) if view else x for x, view in zip(leaves, views, strict=True)]
+
+    return tuple(specs), copied, handed
+
+
 def losses(
     plan, replica_loss: Callable, stacks: Any, lookup_tables: tuple[str, ...] = ()
 ) -> Callable:
@@ -140,7 +188,6 @@ def losses(
     names = [param_name(path) for path, _ in flat]
     layouts = [lay for _, lay in flat]
     low = treedef.flatten_up_to(plan.low_precision)
-    handed_low = plan.handed_low
     stack_of = treedef.flatten_up_to(stacks)
     in_layer = [bool(s) and lay.sharded for s, lay in zip(stack_of, layouts, strict=True)]
     replicas = mesh.shape[mesh_lib.DATA_AXIS]
@@ -160,7 +207,7 @@ def losses(
         # Leaf i's gather (of a layer's slice where ``layer``), in its logical shape.
         lay = seen[i].in_layer() if layer else seen[i]
         gather_dtype = plan.gather_dtype if low[i] else dtype
-        fn = gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, handed_low[i])
+        fn = gather(lay, dtype, gather_dtype, plan.reduce_dtype, partial, plan.handed_low[i])
         return fn if seen[i] is layouts[i] else lambda x: layout.joined(fn(x), lay.dim)
 
     def transforms(dtypes) -> dict[str, Callable]:
@@ -180,6 +227,7 @@ def losses(
         return readers
 
     def body(leaves, model_state, rows, rngs, weight):
+        leaves = [x[0] if c else x for x, c in zip(leaves, copied, strict=True)]
         dtypes = [x.dtype for x in leaves]
         weights = []
         for i, (lay, x) in enumerate(zip(layouts, leaves, strict=True)):
@@ -214,17 +262,18 @@ def losses(
     # nothing, is no reason to leave kernels to the partitioner (a Pallas kernel
     # cannot be partitioned automatically).
     manual = frozenset(data) | {a for a, n in mesh.shape.items() if n == 1}
-    stored_specs = tuple(_data_only(lay.stored_spec(), data) for lay in seen)
+    stored_specs, copied, handed = _handed(mesh, seen, partial)
 
     def run(stored, model_state, rows, rngs, weight):
-        leaves = taken_apart(treedef.flatten_up_to(stored))
+        leaves = handed(taken_apart(treedef.flatten_up_to(stored)))
         loss, aux = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(stored_specs, PartitionSpec(), replica, replica, PartitionSpec()),
             out_specs=(replica, replica),
             axis_names=manual,
-            # Our collectives' gradients are explicit (custom_vjp): no implicit psums.
+            # Our collectives' gradients are explicit (custom_vjp); the transpose sums a
+            # leaf's only over the axes its spec leaves out (:func:`_handed`).
             check_vma=False,
         )(tuple(leaves), model_state, rows, rngs, weight)
         return loss.sum(), aux
