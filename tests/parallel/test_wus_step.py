@@ -458,6 +458,37 @@ def test_rounded_weights_reach_the_model_in_bf16_with_the_gradients_of_f32_weigh
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
 
 
+def _per_layer_sgd_decoder(**optimizer):
+    """The tiny decoder in f32 under ``per_layer``, trained by SGD at learning rate 1
+    with nothing else (no clipping, warm-up or decay): a step moves each weight by its
+    gradient."""
+    config = llama.get_config("tiny,synthetic")
+    config.model.update(dtype="float32")
+    config.optimizer.update(
+        name="sgd",
+        update_sharding="per_layer",
+        clip_norm=0.0,
+        warmup_steps=0,
+        learning_rate=1.0,
+        weight_decay=0.0,
+        schedule="constant",
+        **optimizer,
+    )
+    return config
+
+
+def _one_sgd_step_is_data_parallelisms(config, what: str, floor: float):
+    """One step of ``config`` (SGD at learning rate 1, nothing else): asserts its
+    gradients equal plain data parallelism's (:func:`reference`) to 2e-7, the largest
+    above ``floor``; returns the experiment."""
+    before, state, batches, exp, _ = run(config, steps=1)
+    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
+    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
+    assert_close(got, want, 2e-7, what)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > floor
+    return exp
+
+
 @pytest.mark.slow  # 30 s of compiles, cold
 def test_per_layer_with_a_model_axis_left_to_the_compiler():
     # data4 x model2: per_layer's shard_map is manual over data only, and the model's
@@ -466,12 +497,8 @@ def test_per_layer_with_a_model_axis_left_to_the_compiler():
     config = tiny("per_layer", "sgd", mesh="data4_model2")
     config.model.update(num_encoder_layers=2, num_decoder_layers=2, scan_layers=True)
     config.optimizer.update(clip_norm=0.0, warmup_steps=0, learning_rate=1.0, weight_decay=0.0)
-    before, state, batches, exp, _ = run(config, steps=1)
+    exp = _one_sgd_step_is_data_parallelisms(config, "per_layer, data4_model2, grads", 1e-2)
     assert dict(exp.mesh.shape) == {"replica": 1, "data": 4, "model": 2}
-    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
-    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
-    assert_close(got, want, 2e-7, "per_layer, data4_model2, grads")
-    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-2
 
 
 def test_per_layer_under_tensor_parallelism_gathers_each_model_shard_by_itself():
@@ -483,19 +510,9 @@ def test_per_layer_under_tensor_parallelism_gathers_each_model_shard_by_itself()
     # output kernel and the tied table store data joined with model on one dim, which the
     # shard_map must see taken apart. One SGD step's gradients against plain data
     # parallelism.
-    config = llama.get_config("tiny,synthetic")
-    config.model.update(dtype="float32")
+    config = _per_layer_sgd_decoder()
     config.mesh.axes.update(data=4, model=2)
-    config.optimizer.update(
-        name="sgd",
-        update_sharding="per_layer",
-        clip_norm=0.0,
-        warmup_steps=0,
-        learning_rate=1.0,
-        weight_decay=0.0,
-        schedule="constant",
-    )
-    before, state, batches, exp, _ = run(config, steps=1)
+    exp = _one_sgd_step_is_data_parallelisms(config, "per_layer, data4 x model2, grads", 5e-3)
     joined = {
         rules_lib.param_name(path): lay.stored_spec()
         for path, lay in jax.tree_util.tree_leaves_with_path(exp.plan.layouts, is_leaf=us.is_layout)
@@ -509,10 +526,6 @@ def test_per_layer_under_tensor_parallelism_gathers_each_model_shard_by_itself()
     moved = [(c.kind, c.group_size) for c in found if c.kind in ("all-gather", "reduce-scatter")]
     assert {kind for kind, _ in moved} == {"all-gather", "reduce-scatter"}
     assert {size for _, size in moved} == {4}  # over data only
-    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
-    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
-    assert_close(got, want, 2e-7, "per_layer, data4 x model2, grads")
-    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 5e-3
 
 
 @pytest.mark.parametrize(
@@ -532,29 +545,16 @@ def test_per_layer_sums_each_gradient_over_the_replicas_once(tied, model):
     # in its transpose: R times the gradient (4x here), and on two v5p slices an f32
     # all-reduce of every shard across the DCN. One SGD step against plain data
     # parallelism.
-    config = llama.get_config("tiny,synthetic")
-    config.model.update(dtype="float32", tie_embeddings=tied)
+    config = _per_layer_sgd_decoder(shard_group_size=2)
+    config.model.tie_embeddings = tied
     config.mesh.axes.update(data=-1, model=model)
-    config.optimizer.update(
-        name="sgd",
-        update_sharding="per_layer",
-        shard_group_size=2,
-        clip_norm=0.0,
-        warmup_steps=0,
-        learning_rate=1.0,
-        weight_decay=0.0,
-        schedule="constant",
-    )
-    before, state, batches, exp, _ = run(config, steps=1)
+    what = f"per_layer, groups of 2, model {model}, tied {tied}"
+    exp = _one_sgd_step_is_data_parallelisms(config, what, 5e-3)
     assert dict(exp.mesh.shape) == {"replica": 4 // model, "data": 2, "model": model}
     if not tied:
         table = exp.plan.layouts["token_embedding"]["embedding"]
         assert exp.task.lookup_tables == ("token_embedding",)
         assert collectives.lookup_eligible(table, exp.mesh.shape["data"])
-    got = jax.tree.map(np.subtract, before, logical(exp, state.params))
-    want = jax.tree.map(np.subtract, reference(exp, optax.identity(), before, batches, 1), before)
-    assert_close(got, want, 2e-7, f"per_layer, groups of 2, model {model}, tied {tied}")
-    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 5e-3
 
 
 def _unfused_dots(hlo_text: str) -> list[str]:
